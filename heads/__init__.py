@@ -1,0 +1,1 @@
+"""Draft heads, the target model loader and their save/load/export formats."""

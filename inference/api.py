@@ -1,0 +1,132 @@
+"""The Python API behind ``selfdraft generate``: same options, same fields.
+
+Example::
+
+    from selfdraft import load_target, make_drafter, generate
+
+    target = load_target("smollm2-135m", dtype="bfloat16")
+    drafter = make_drafter("prompt-lookup", target)
+    for prompt in prompts:
+        result = generate(target, prompt, drafter=drafter, chat=True, max_new_tokens=128)
+        print(result.text, result.acceptance_length, result.tokens_per_second)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+from selfdraft.configs.decode import DecodeConfig, DraftModelConfig, PromptLookupConfig
+from selfdraft.errors import SelfdraftError
+from selfdraft.inference.decode import speculative_decode
+from selfdraft.inference.drafters import Drafter, make_drafter
+from selfdraft.inference.session import CausalLMSession
+
+
+@dataclass
+class GenerationResult:
+    """One generation and its statistics (the fields of ``selfdraft generate --json``)."""
+
+    text: str
+    token_ids: list[int]
+    """The new tokens only (an EOS token that stopped generation is included)."""
+    new_tokens: int
+    prompt_tokens: int
+    target_forwards: int
+    """Target forward passes, the prefill included."""
+    acceptance_length: float
+    """Tokens emitted per target forward (tau): new_tokens / target_forwards."""
+    accept_histogram: dict[int, int]
+    """Tokens emitted per forward -> how many forwards emitted that many."""
+    depth_acceptance: dict[int, float]
+    """Draft depth d -> share of verification steps with a depth-d draft that accepted a token there."""
+    draft_nodes_per_step: float
+    seconds: float
+    tokens_per_second: float
+    draft_seconds: float
+    """Time spent inside the drafter (its share of ``seconds`` is the drafting cost)."""
+    stop_reason: str
+    drafter: str
+    decode: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of ``prompt``: raw text, or a single user turn through the tokenizer's chat template."""
+    if tokenizer is None:
+        raise SelfdraftError("this target has no tokenizer: pass input_ids instead of a text prompt")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise SelfdraftError("--chat needs a tokenizer with a chat template; this target has none")
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def generate(
+    target,
+    prompt: str | None = None,
+    *,
+    input_ids: Sequence[int] | None = None,
+    drafter: str | Drafter = "none",
+    chat: bool = False,
+    max_new_tokens: int = DecodeConfig.max_new_tokens,
+    temperature: float = DecodeConfig.temperature,
+    top_k: int = DecodeConfig.top_k,
+    top_p: float = DecodeConfig.top_p,
+    seed: int | None = DecodeConfig.seed,
+    stop_on_eos: bool = DecodeConfig.stop_on_eos,
+    dtype: str = "float32",
+    device: str = "cpu",
+    prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
+    draft_model: DraftModelConfig = DraftModelConfig(),
+) -> GenerationResult:
+    """Decode one prompt with a drafter and return the text and acceptance statistics.
+
+    ``target`` is a loaded :class:`~selfdraft.heads.target.Target` (reuse it across prompts) or a
+    spec for :func:`~selfdraft.heads.target.load_target` (loaded with ``dtype`` and ``device``).
+    ``drafter`` is a :class:`Drafter` or a spec: ``none``, ``prompt-lookup``, ``draft-model:SPEC``.
+    Give either ``prompt`` (text; ``chat`` wraps it as a user turn) or ``input_ids``.
+    """
+    config = DecodeConfig(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_on_eos=stop_on_eos
+    ).validate()
+    if isinstance(target, str):
+        from selfdraft.heads.target import load_target
+
+        target = load_target(target, dtype=dtype, device=device)
+    if (prompt is None) == (input_ids is None):
+        raise SelfdraftError("give exactly one of prompt (text) or input_ids")
+    ids = list(input_ids) if input_ids is not None else encode_prompt(target.tokenizer, prompt, chat)
+    drafter = make_drafter(drafter, target, prompt_lookup=prompt_lookup, draft_model=draft_model)
+
+    session = CausalLMSession(target.model, hidden_layers=drafter.hidden_layers)
+    out = speculative_decode(
+        session, ids, drafter, config, eos_token_ids=target.eos_token_ids, max_context=target.max_context
+    )
+    stats = out.stats
+    new = len(out.token_ids)
+    steps = max(stats.target_forwards - 1, 1)
+    text = target.tokenizer.decode(out.token_ids, skip_special_tokens=True) if target.tokenizer is not None else ""
+    return GenerationResult(
+        text=text,
+        token_ids=out.token_ids,
+        new_tokens=new,
+        prompt_tokens=len(ids),
+        target_forwards=stats.target_forwards,
+        acceptance_length=new / stats.target_forwards,
+        accept_histogram=dict(sorted(stats.accept_histogram.items())),
+        depth_acceptance=stats.depth_acceptance(),
+        draft_nodes_per_step=stats.draft_nodes / steps,
+        seconds=out.seconds,
+        tokens_per_second=new / out.seconds if out.seconds > 0 else float("inf"),
+        draft_seconds=stats.draft_seconds,
+        stop_reason=out.stop_reason,
+        drafter=drafter.name,
+        decode={"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed},
+    )

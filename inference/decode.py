@@ -1,0 +1,156 @@
+"""The decoding loop: draft, verify in one target forward, compact the cache, emit, repeat.
+
+The same loop runs every drafter; with :class:`~selfdraft.inference.drafters.NoDrafter` it is the
+vanilla one-token-per-forward baseline. It talks to the target through a
+:class:`~selfdraft.inference.session.TargetSession` (a transformers model in practice, a scripted
+stub in the statistical tests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from selfdraft.configs.decode import DecodeConfig
+from selfdraft.errors import SelfdraftError
+from selfdraft.inference.drafters import Drafter, Verified
+from selfdraft.inference.session import TargetSession
+from selfdraft.inference.tree import DraftTree, build_tree_buffers
+from selfdraft.inference.verify import choose_token, greedy_verify, sample_verify, target_probs
+
+SampleRule = Callable[[torch.Tensor, torch.Tensor, object, torch.Generator], tuple[list[int], int]]
+
+
+@dataclass
+class DecodeStats:
+    """Acceptance statistics of one generation.
+
+    accept_histogram[k]: target forwards that emitted k tokens (the prefill emits 1).
+    depth_drafted[d] / depth_accepted[d] (d = 1, 2, ...): verification steps whose tree reached
+    depth d / that accepted a draft token at depth d.
+    """
+
+    target_forwards: int = 0
+    accept_histogram: Counter = field(default_factory=Counter)
+    depth_drafted: Counter = field(default_factory=Counter)
+    depth_accepted: Counter = field(default_factory=Counter)
+    draft_nodes: int = 0
+    draft_seconds: float = 0.0
+
+    def depth_acceptance(self) -> dict[int, float]:
+        """Per depth d: the share of steps that drafted depth d and accepted a token there."""
+        return {d: self.depth_accepted[d] / n for d, n in sorted(self.depth_drafted.items())}
+
+
+@dataclass
+class DecodeOutput:
+    token_ids: list[int]
+    stats: DecodeStats
+    seconds: float
+    stop_reason: str  # "eos", "max_new_tokens" or "context"
+
+
+def speculative_decode(
+    session: TargetSession,
+    prompt_ids: Sequence[int],
+    drafter: Drafter,
+    config: DecodeConfig,
+    *,
+    eos_token_ids: Sequence[int] = (),
+    max_context: int | None = None,
+    sample_rule: SampleRule = sample_verify,
+) -> DecodeOutput:
+    """Generate up to ``config.max_new_tokens`` tokens after ``prompt_ids``.
+
+    Greedy (temperature 0) output equals the target's own greedy decoding; sampled output has the
+    target's distribution (after temperature / top-k / top-p). ``sample_rule`` exists so the tests
+    can plant a biased rule and show that they detect it.
+    """
+    config.validate()
+    prompt_ids = list(prompt_ids)
+    if not prompt_ids:
+        raise SelfdraftError("the prompt is empty: give at least one token")
+    if max_context is not None and len(prompt_ids) > max_context:
+        raise SelfdraftError(
+            f"the prompt has {len(prompt_ids)} tokens but the model's context holds {max_context}; "
+            "shorten the prompt or use a model with a longer context"
+        )
+    generator = None
+    if not config.greedy:
+        generator = torch.Generator()
+        generator.manual_seed(config.seed if config.seed is not None else int(torch.seed()))
+    eos = set(int(t) for t in eos_token_ids) if config.stop_on_eos else set()
+    stats = DecodeStats()
+    start = time.perf_counter()
+
+    out = session.prefill(prompt_ids)
+    stats.target_forwards = 1
+    first = choose_token(out.logits[-1].float(), config, generator)
+    emitted = [first]
+    stats.accept_histogram[1] += 1
+    sequence = prompt_ids + emitted
+    t0 = time.perf_counter()
+    state = drafter.start(prompt_ids, out)
+    stats.draft_seconds += time.perf_counter() - t0
+    stop_reason = "eos" if first in eos else "max_new_tokens"
+
+    while first not in eos and len(emitted) < config.max_new_tokens:
+        if max_context is not None and session.length >= max_context:  # no position left for the root
+            stop_reason = "context"
+            break
+        remaining = config.max_new_tokens - len(emitted)
+        t0 = time.perf_counter()
+        tree, state = drafter.propose(state, sequence)
+        stats.draft_seconds += time.perf_counter() - t0
+        # Deeper nodes could never be emitted (budget) or would not fit the context.
+        max_depth = remaining - 1
+        if max_context is not None:
+            max_depth = min(max_depth, max_context - 1 - session.length)
+        tree = tree.prune(max_depth=max_depth, max_nodes=tree.num_nodes)
+        buffers = _buffers(tree)
+
+        out = session.verify(sequence[-1], tree, buffers)
+        stats.target_forwards += 1
+        if config.greedy:
+            accepted, bonus = greedy_verify(out.logits, tree.tokens, buffers)
+        else:
+            probs = target_probs(out.logits, config.temperature, config.top_k, config.top_p)
+            accepted, bonus = sample_rule(probs, tree.tokens, buffers, generator)
+        keep = [0] + accepted
+        session.commit(keep)
+
+        new = [int(tree.tokens[i - 1]) for i in accepted] + [bonus]
+        for i, tok in enumerate(new):
+            if tok in eos:
+                new = new[: i + 1]
+                stop_reason = "eos"
+                break
+        new = new[:remaining]
+        emitted += new
+        sequence += new
+        stats.accept_histogram[len(new)] += 1
+        stats.draft_nodes += tree.num_nodes
+        tree_depth = int(buffers.depth.max())
+        for d in range(1, tree_depth + 1):
+            stats.depth_drafted[d] += 1
+            stats.depth_accepted[d] += d <= len(accepted)
+
+        if stop_reason == "eos":
+            break
+        t0 = time.perf_counter()
+        hidden = tuple(h[keep] for h in out.hidden)
+        state = drafter.observe(state, Verified(tokens=new, hidden=hidden))
+        stats.draft_seconds += time.perf_counter() - t0
+
+    return DecodeOutput(token_ids=emitted, stats=stats, seconds=time.perf_counter() - start, stop_reason=stop_reason)
+
+
+_EMPTY_BUFFERS = build_tree_buffers(DraftTree.empty())
+
+
+def _buffers(tree: DraftTree):
+    return _EMPTY_BUFFERS if tree.num_nodes == 0 else build_tree_buffers(tree)

@@ -1,0 +1,215 @@
+"""Drafters: anything that proposes a token tree for the current state, behind one interface.
+
+A drafter keeps its own state explicitly: :meth:`Drafter.start` returns it, :meth:`Drafter.propose`
+and :meth:`Drafter.observe` take it and return it. The decoding loop does not care which drafter it
+drives; the tree shape (depth, branching, node budget) is the drafter's decode config.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from selfdraft.configs.decode import DraftModelConfig, PromptLookupConfig
+from selfdraft.errors import SelfdraftError
+from selfdraft.inference.session import CausalLMSession, StepOutput
+from selfdraft.inference.tree import DraftTree
+
+
+@dataclass
+class Verified:
+    """What a verification step committed, for the drafter to learn its new state from.
+
+    tokens: the new committed tokens (accepted draft tokens, then the target's bonus token).
+    hidden: the target's hidden states (one (A + 1, D) tensor per layer the drafter asked for) at the
+            root and the accepted positions: the features that produced ``tokens``.
+    """
+
+    tokens: list[int]
+    hidden: tuple[torch.Tensor, ...] = ()
+
+
+class Drafter(ABC):
+    """Proposes a draft tree below the root (the last committed token)."""
+
+    name: str = "drafter"
+    hidden_layers: tuple[int, ...] = ()
+    """Target layers whose hidden states the drafter reads (transformers' hidden_states numbering)."""
+
+    def start(self, prompt_ids: Sequence[int], prefill: StepOutput) -> Any:
+        """Begin a sequence: the target has just run its prefill on ``prompt_ids``. Returns the state."""
+        return None
+
+    @abstractmethod
+    def propose(self, state: Any, sequence: Sequence[int]) -> tuple[DraftTree, Any]:
+        """Draft below ``sequence[-1]`` (the root). ``sequence`` is the prompt and every committed token."""
+
+    def observe(self, state: Any, verified: Verified) -> Any:
+        """Update the state after a verification step committed ``verified.tokens``."""
+        return state
+
+
+class NoDrafter(Drafter):
+    """The vanilla baseline: no draft, one token per target forward, through the same loop."""
+
+    name = "none"
+
+    def propose(self, state, sequence):
+        return DraftTree.empty(), state
+
+
+class PromptLookupDrafter(Drafter):
+    """Copies what followed earlier occurrences of the sequence's last n tokens (prompt and output).
+
+    The longest suffix n-gram (``max_ngram`` down to ``min_ngram``) that occurred before wins; its
+    most recent occurrences come first. Up to ``max_branches`` distinct continuations are merged into
+    one tree (a chain when 1).
+    """
+
+    name = "prompt-lookup"
+
+    def __init__(self, config: PromptLookupConfig = PromptLookupConfig()):
+        self.config = config.validate()
+
+    def propose(self, state, sequence):
+        cfg = self.config
+        seq = np.asarray(sequence, dtype=np.int64)
+        t = seq.size
+        paths: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        for n in range(min(cfg.max_ngram, t - 1), cfg.min_ngram - 1, -1):
+            # Windows starting at 0..t-n-1: every earlier occurrence, excluding the suffix itself.
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # (t - n, n)
+            starts = np.flatnonzero((windows == seq[t - n :]).all(axis=1))
+            for start in starts[::-1]:
+                follow = seq[start + n : start + n + cfg.num_tokens]
+                key = tuple(follow.tolist())
+                if key in seen:
+                    continue
+                seen.add(key)
+                paths.append(list(key))
+                if len(paths) == cfg.max_branches:
+                    break
+            if paths:
+                break
+        if not paths:
+            return DraftTree.empty(), state
+        tree = DraftTree.chain(paths[0]) if len(paths) == 1 else DraftTree.from_paths(paths)
+        return tree.prune(max_depth=cfg.num_tokens, max_nodes=cfg.max_nodes), state
+
+
+class DraftModelDrafter(Drafter):
+    """A separate small causal LM with the target's tokenizer drafts greedily: a chain of ``depth``
+    tokens (``top_k`` 1) or a tree that, at each depth, expands the ``top_k`` best nodes by
+    cumulative draft log-probability into their ``top_k`` best children and finally keeps the best
+    ``max_nodes``. The draft model's cache holds the committed tokens; tree nodes are cropped after
+    each proposal, and the next proposal first feeds the newly committed tokens.
+    """
+
+    name = "draft-model"
+
+    def __init__(self, model, config: DraftModelConfig = DraftModelConfig(), target_vocab_size: int | None = None):
+        self.model = model
+        self.config = config.validate()
+        self.vocab_size = target_vocab_size or model.config.vocab_size
+
+    @classmethod
+    def for_target(cls, draft, target, config: DraftModelConfig = DraftModelConfig()) -> "DraftModelDrafter":
+        """Check that ``draft`` (a loaded Target) shares ``target``'s tokenizer, then wrap it."""
+        mine, theirs = draft.identity, target.identity
+        if not mine.tokenizer_hash or mine.tokenizer_hash != theirs.tokenizer_hash:
+            raise SelfdraftError(
+                f"draft model {mine.name!r} does not use the tokenizer of target {theirs.name!r} "
+                f"(tokenizer hash {mine.tokenizer_hash[:12] or 'missing'} vs {theirs.tokenizer_hash[:12] or 'missing'}); "
+                "a draft model must share the target's tokenizer"
+            )
+        if draft.model.device != target.model.device:
+            raise SelfdraftError(f"draft model is on {draft.model.device}, target on {target.model.device}")
+        return cls(draft.model, config, target_vocab_size=theirs.vocab_size)
+
+    def start(self, prompt_ids, prefill):
+        session = CausalLMSession(self.model)
+        session.prefill(prompt_ids)
+        return session
+
+    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(m, V_draft) -> (m, V_target) float32 log-probabilities; rows beyond the target's vocab are dropped."""
+        return torch.log_softmax(logits[:, : self.vocab_size].float(), dim=-1)
+
+    def propose(self, session: CausalLMSession, sequence):
+        cfg = self.config
+        committed = session.length
+        out = session.extend(sequence[committed:])  # catch up: ends with the root
+        base = session.length  # committed tokens in the draft cache, root included
+        root_pos = base - 1
+        top = torch.topk(self._log_probs(out.logits[-1:]), cfg.top_k, dim=-1)  # (1, k)
+        tokens = top.indices[0].tolist()
+        parents = [-1] * len(tokens)
+        scores = top.values[0].tolist()
+        depth = [1] * len(tokens)
+        slot: dict[int, int] = {}  # node -> its position in the draft cache, for nodes fed so far
+        frontier = list(range(len(tokens)))
+        for d in range(2, cfg.depth + 1):
+            expand = sorted(frontier, key=lambda i: (-scores[i], i))[: cfg.top_k]
+            m = len(expand)
+            visible = torch.zeros(m, session.length + m, dtype=torch.bool)  # (m, cached + m)
+            visible[:, :base] = True
+            for row, node in enumerate(expand):
+                anc = parents[node]
+                while anc >= 0:
+                    visible[row, slot[anc]] = True
+                    anc = parents[anc]
+                visible[row, session.length + row] = True
+            for row, node in enumerate(expand):
+                slot[node] = session.length + row
+            positions = torch.tensor([root_pos + depth[i] for i in expand])
+            out = session.feed_tree_nodes(torch.tensor([tokens[i] for i in expand]), positions, visible)
+            top = torch.topk(self._log_probs(out.logits), cfg.top_k, dim=-1)  # (m, k)
+            frontier = []
+            for row, node in enumerate(expand):
+                for tok, lp in zip(top.indices[row].tolist(), top.values[row].tolist()):
+                    tokens.append(tok)
+                    parents.append(node)
+                    scores.append(scores[node] + lp)
+                    depth.append(d)
+                    frontier.append(len(tokens) - 1)
+        session.crop(base)
+        # Best max_nodes by cumulative log-probability. A child never scores above its parent and
+        # ties go to the lower index (the parent), so the kept set contains its ancestors.
+        kept = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: cfg.max_nodes])
+        remap = {old: new for new, old in enumerate(kept)}
+        tree = DraftTree(
+            torch.tensor([tokens[i] for i in kept], dtype=torch.long),
+            torch.tensor([remap[parents[i]] if parents[i] >= 0 else -1 for i in kept], dtype=torch.long),
+        )
+        return tree, session
+
+
+DRAFTER_KINDS = ("none", "prompt-lookup", "draft-model:SPEC")
+
+
+def make_drafter(
+    spec: str | Drafter,
+    target,
+    *,
+    prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
+    draft_model: DraftModelConfig = DraftModelConfig(),
+) -> Drafter:
+    """Build a drafter from its CLI spec: ``none``, ``prompt-lookup`` or ``draft-model:SPEC``
+    (SPEC as for :func:`selfdraft.heads.target.load_target`, loaded with the target's dtype and device)."""
+    if isinstance(spec, Drafter):
+        return spec
+    if spec == "none":
+        return NoDrafter()
+    if spec == "prompt-lookup":
+        return PromptLookupDrafter(prompt_lookup)
+    if spec.startswith("draft-model:") and spec[len("draft-model:") :]:
+        from selfdraft.heads.target import load_target
+
+        draft = load_target(spec[len("draft-model:") :], dtype=target.dtype, device=str(target.device))
+        return DraftModelDrafter.for_target(draft, target, draft_model)
+    raise SelfdraftError(f"unknown drafter {spec!r}; choose one of: {', '.join(DRAFTER_KINDS)}")

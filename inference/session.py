@@ -1,0 +1,141 @@
+"""The one module that touches a transformers causal LM during decoding.
+
+A :class:`CausalLMSession` is the per-sequence state of one model (target or draft model): its
+``DynamicCache`` and how many tokens it holds. It feeds tokens (plain, or a tree with a 4D float
+mask and explicit position ids), and compacts the cache to an accepted path. It is created by the
+decoding loop for one generation and passed around; nothing is stored on the model.
+
+Only the public API is used: ``cache=``, ``DynamicCache.crop``, ``cache.layers[i].keys/values``,
+``position_ids``, a 4D additive mask, ``logits_to_keep`` and ``output_hidden_states``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from selfdraft.inference.tree import DraftTree, TreeBuffers, tree_attention_mask
+
+
+@dataclass
+class StepOutput:
+    """What one forward returns.
+
+    logits: (M, V) at the fed positions (only the last position after a prefill).
+    hidden: hidden states of the requested layers at the fed positions, each (M, D); index i of the
+            tuple is the i-th requested layer (transformers' numbering: 0 is the embedding output,
+            num_layers the final normed output). Empty when no layer was requested.
+    """
+
+    logits: torch.Tensor
+    hidden: tuple[torch.Tensor, ...] = ()
+
+
+class TargetSession(Protocol):
+    """What the decoding loop needs from the target (a stub implements it in the tests)."""
+
+    length: int
+
+    def prefill(self, input_ids: Sequence[int]) -> StepOutput: ...
+
+    def verify(self, root: int, tree: DraftTree, buffers: TreeBuffers) -> StepOutput: ...
+
+    @torch.inference_mode()
+    def commit(self, keep: Sequence[int]) -> None: ...
+
+
+class CausalLMSession:
+    """Cache state of one sequence (batch 1) of a transformers causal LM."""
+
+    def __init__(self, model, hidden_layers: Sequence[int] = ()):
+        self.model = model
+        self.hidden_layers = tuple(hidden_layers)
+        self.cache = DynamicCache(config=model.config)
+        self.length = 0  # tokens whose key/values are in the cache
+        self._tree_base = 0  # cache length before the last verify
+        self.device = model.device
+        self.mask_dtype = next(model.parameters()).dtype
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None, keep_logits: int):
+        out = self.model(
+            input_ids=ids[None].to(self.device),
+            position_ids=None if positions is None else positions[None].to(self.device),
+            attention_mask=None if mask is None else mask.to(self.device),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=keep_logits,
+            output_hidden_states=bool(self.hidden_layers),
+        )
+        hidden = tuple(out.hidden_states[i][0] for i in self.hidden_layers) if self.hidden_layers else ()
+        return StepOutput(logits=out.logits[0], hidden=hidden)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: Sequence[int]) -> StepOutput:
+        """Feed a prompt (T tokens) into an empty cache; logits (1, V) at the last position only,
+        hidden states (T, D) at every position."""
+        if self.length:
+            raise RuntimeError("prefill needs an empty session")
+        ids = torch.as_tensor(list(input_ids), dtype=torch.long)
+        out = self._forward(ids, None, None, keep_logits=1)
+        self.length = ids.numel()
+        return out
+
+    @torch.inference_mode()
+    def extend(self, input_ids: Sequence[int]) -> StepOutput:
+        """Append tokens to the cache as a causal continuation; logits (T, V) at every fed position."""
+        ids = torch.as_tensor(list(input_ids), dtype=torch.long)
+        positions = torch.arange(self.length, self.length + ids.numel())
+        out = self._forward(ids, positions, None, keep_logits=0)
+        self.length += ids.numel()
+        return out
+
+    @torch.inference_mode()
+    def verify(self, root: int, tree: DraftTree, buffers: TreeBuffers) -> StepOutput:
+        """Feed the root and the tree's N nodes (M positions) in one forward; logits (M, V).
+
+        The cache then holds all M positions; :meth:`commit` keeps the accepted path only.
+        """
+        ids = torch.cat([torch.tensor([root], dtype=torch.long), tree.tokens])  # (M,)
+        positions = self.length + buffers.depth  # (M,)
+        # A chain (including the bare root) is ordinary causal attention: let the model build its mask.
+        mask = None if buffers.is_chain else tree_attention_mask(buffers.ancestors, self.length, self.mask_dtype)
+        out = self._forward(ids, positions, mask, keep_logits=0)
+        self._tree_base = self.length
+        self.length += ids.numel()
+        return out
+
+    @torch.inference_mode()
+    def feed_tree_nodes(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> StepOutput:
+        """Append nodes of a growing tree: tokens (m,), positions (m,), visible (m, length + m) bool:
+        which cached or new positions each new token may attend to. Logits (m, V)."""
+        mask = torch.zeros(1, 1, *visible.shape, dtype=self.mask_dtype)
+        mask[0, 0].masked_fill_(~visible, torch.finfo(self.mask_dtype).min)
+        out = self._forward(tokens, positions, mask, keep_logits=0)
+        self.length += tokens.numel()
+        return out
+
+    @torch.inference_mode()
+    def commit(self, keep: Sequence[int]) -> None:
+        """Keep only the tree positions ``keep`` (root first, then the accepted path) of the last verify.
+
+        Their key/values move to the front of the tree block, in order; the rest is cropped.
+        """
+        base = self._tree_base
+        keep = list(keep)
+        if keep != list(range(len(keep))):
+            src = torch.tensor(keep, device=self.device) + base
+            dst = slice(base, base + len(keep))
+            for layer in self.cache.layers:
+                layer.keys[..., dst, :] = layer.keys[..., src, :]  # (B, H, S, D)
+                layer.values[..., dst, :] = layer.values[..., src, :]
+        self.crop(base + len(keep))
+
+    @torch.inference_mode()
+    def crop(self, new_length: int) -> None:
+        """Drop cached tokens beyond the first ``new_length``."""
+        if self.length > new_length:
+            self.cache.crop(-(self.length - new_length))
+        self.length = new_length

@@ -1,0 +1,5 @@
+import sys
+
+from selfdraft.cli import main
+
+sys.exit(main())

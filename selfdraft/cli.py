@@ -1,0 +1,116 @@
+"""The ``selfdraft`` command: thin argument parsing over the Python API.
+
+Errors that a user can fix (a bad option, an unknown target, a prompt that does not fit) are printed
+as one line, without a traceback, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from selfdraft.errors import SelfdraftError
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_generate(sub) -> None:
+    from selfdraft.configs.decode import DecodeConfig, DraftModelConfig, PromptLookupConfig
+
+    p = sub.add_parser(
+        "generate",
+        help="decode one prompt with a drafter and report the acceptance length",
+        description="Decode one prompt. Greedy output (the default, temperature 0) is token-identical to the "
+        "target's own greedy output in fp32; sampling keeps the target's distribution exactly.",
+    )
+    p.add_argument("--target", default="smollm2-135m", help="built-in name, local HF folder or hub name (default: %(default)s)")
+    p.add_argument("--drafter", default="none", help="none, prompt-lookup or draft-model:SPEC (default: %(default)s)")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=DecodeConfig.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=DecodeConfig.temperature, help="0 decodes greedily")
+    p.add_argument("--top-k", type=int, default=DecodeConfig.top_k, help="0: no top-k limit")
+    p.add_argument("--top-p", type=float, default=DecodeConfig.top_p)
+    p.add_argument("--seed", type=int, default=DecodeConfig.seed)
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default: %(default)s)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
+    g = p.add_argument_group("prompt lookup")
+    g.add_argument("--lookup-max-ngram", type=_positive_int, default=PromptLookupConfig.max_ngram)
+    g.add_argument("--lookup-tokens", type=_positive_int, default=PromptLookupConfig.num_tokens, help="draft tokens per match")
+    g.add_argument("--lookup-branches", type=_positive_int, default=PromptLookupConfig.max_branches)
+    g = p.add_argument_group("draft model")
+    g.add_argument("--draft-depth", type=_positive_int, default=DraftModelConfig.depth)
+    g.add_argument("--draft-top-k", type=_positive_int, default=DraftModelConfig.top_k, help="1 drafts a chain")
+    g.add_argument("--tree-nodes", type=_positive_int, default=DraftModelConfig.max_nodes, help="draft token budget per step")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args) -> int:
+    from selfdraft.configs.decode import DraftModelConfig, PromptLookupConfig
+    from selfdraft.heads.target import load_target
+    from selfdraft.inference.api import generate
+
+    DraftModelConfig(depth=args.draft_depth, top_k=args.draft_top_k, max_nodes=args.tree_nodes).validate()
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    result = generate(
+        target,
+        args.prompt,
+        drafter=args.drafter,
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        prompt_lookup=PromptLookupConfig(
+            max_ngram=args.lookup_max_ngram,
+            min_ngram=1,
+            num_tokens=args.lookup_tokens,
+            max_branches=args.lookup_branches,
+            max_nodes=max(PromptLookupConfig.max_nodes, args.lookup_tokens),
+        ),
+        draft_model=DraftModelConfig(depth=args.draft_depth, top_k=args.draft_top_k, max_nodes=args.tree_nodes),
+    )
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(result.text)
+        print(
+            f"[{result.drafter}] {result.new_tokens} tokens, {result.target_forwards} target forwards, "
+            f"acceptance length {result.acceptance_length:.2f}, {result.tokens_per_second:.1f} tokens/s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from selfdraft import __version__
+
+    parser = argparse.ArgumentParser(prog="selfdraft", description="Self-drafting heads and exact speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"selfdraft {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SelfdraftError as err:
+        print(f"selfdraft: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("selfdraft: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

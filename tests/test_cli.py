@@ -1,0 +1,94 @@
+"""The CLI and the Python API: fields, and bad input as one clear line (no traceback soup)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from selfdraft.errors import SelfdraftError
+from selfdraft.inference.api import generate
+
+FIELDS = {
+    "text", "token_ids", "new_tokens", "target_forwards", "acceptance_length", "accept_histogram",
+    "seconds", "tokens_per_second", "depth_acceptance", "draft_seconds", "stop_reason",
+}
+
+
+def cli(*args, timeout=300):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run(
+        [sys.executable, "-m", "selfdraft", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def assert_clean_error(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.embedded
+def test_generate_json_has_every_field(embedded_fp32):
+    proc = cli(
+        "generate", "--target", "smollm2-135m", "--drafter", "prompt-lookup", "--chat",
+        "--prompt", "List the numbers from 1 to 20, separated by commas.", "--max-new-tokens", "40", "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert FIELDS <= set(out), FIELDS - set(out)
+    assert out["new_tokens"] == len(out["token_ids"]) <= 40
+    assert out["acceptance_length"] == pytest.approx(out["new_tokens"] / out["target_forwards"])
+    assert sum(int(k) * v for k, v in out["accept_histogram"].items()) == out["new_tokens"]
+    # Same tokens as the Python API (greedy is deterministic).
+    api = generate(embedded_fp32, "List the numbers from 1 to 20, separated by commas.", chat=True,
+                   drafter="prompt-lookup", max_new_tokens=40)
+    assert api.token_ids == out["token_ids"] and api.text == out["text"]
+
+
+@pytest.mark.embedded
+def test_generate_text_then_summary():
+    proc = cli("generate", "--prompt", "def fib(n):", "--max-new-tokens", "8", "--temperature", "0.7", "--seed", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    assert "acceptance length" in proc.stderr and "tokens/s" in proc.stderr
+
+
+def test_unknown_target_lists_the_builtins():
+    assert_clean_error(cli("generate", "--target", "no-such-model", "--prompt", "hi"), "smollm2-135m", "qwen2.5-coder-0.5b")
+
+
+def test_bad_numbers_are_clear_errors():
+    assert_clean_error(cli("generate", "--prompt", "hi", "--max-new-tokens", "0"), "max-new-tokens", ">= 1")
+    assert_clean_error(cli("generate", "--prompt", "hi", "--top-p", "1.5"), "top_p")
+    assert_clean_error(cli("generate", "--prompt", "hi", "--drafter", "medusa-from-nowhere"), "unknown drafter", "prompt-lookup")
+    with pytest.raises(SelfdraftError, match="max_new_tokens"):
+        generate(None, input_ids=[1, 2], max_new_tokens=0)
+
+
+@pytest.mark.embedded
+def test_mismatched_draft_tokenizer_is_refused(embedded_fp32, tmp_path):
+    tok = embedded_fp32.tokenizer.__class__.from_pretrained(embedded_fp32.model.name_or_path)
+    tok.add_tokens(["<an-extra-token>"])
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    proc = cli("generate", "--drafter", f"draft-model:{tmp_path}", "--prompt", "hi", "--max-new-tokens", "4")
+    assert_clean_error(proc, "tokenizer")
+    with pytest.raises(SelfdraftError, match="tokenizer"):
+        generate(embedded_fp32, "hi", drafter=f"draft-model:{tmp_path}", max_new_tokens=4)
+
+
+@pytest.mark.embedded
+def test_prompt_longer_than_the_context(embedded_fp32, tmp_path):
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)).save_pretrained(tmp_path)
+    embedded_fp32.tokenizer.save_pretrained(tmp_path)
+    proc = cli("generate", "--target", str(tmp_path), "--prompt", "word " * 40, "--max-new-tokens", "4")
+    assert_clean_error(proc, "context holds 16")

@@ -1,0 +1,517 @@
+"""Sampled speculative output has exactly the target's distribution (after temperature / top-k / top-p).
+
+The target is a tiny real Llama (vocabulary 8) with a mix of peaked and flat conditionals. For a
+fixed prompt, the exact probability of each of the V^L continuations of L = 4 new tokens is the
+product of the target's processed conditionals (``target_probs``). Many independent runs of the
+full decoding loop (``speculative_decode``, one seed each) are compared with it by a chi-square
+goodness-of-fit test, for a chain drafter, a 6-node tree drafter and a drafter that is right or
+wrong in turns. L = 4 because the loop's prefill emits the first token: the first verification then
+has 3 tokens left, so a depth-2 tree is verified in full, bonus included (with L = 3 only depth 1
+would ever be checked).
+
+Most runs use a table session: a stub TargetSession whose logits for a context are the tiny model's
+logits for that exact prefix (a plain full forward, memoised), so tens of thousands of runs take
+seconds. One configuration runs the real ``CausalLMSession`` (cache, tree mask, compaction).
+
+The test has teeth: planted biased rules are rejected by the same test with a quarter of the samples:
+min(1, p/q) with the draft's softmax over deterministic top-k children (the mistake DESIGN.md warns
+about), and the right walk that forgets to renormalise the residual.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from selfdraft.configs.decode import DecodeConfig
+from selfdraft.inference.decode import speculative_decode
+from selfdraft.inference.drafters import Drafter
+from selfdraft.inference.session import CausalLMSession, StepOutput
+from selfdraft.inference.tree import DraftTree, build_tree_buffers
+from selfdraft.inference.verify import sample_verify, target_probs
+
+VOCAB = 8
+PROMPT = (1, 5, 3)
+NEW_TOKENS = 4  # L: continuations are the V^L token tuples
+ALPHA = 1e-3  # a correct sampler fails a single configuration this rarely
+REJECT = 1e-6  # the planted biased rule must fall below this
+
+
+# --- the tiny target, its draft model, and memoised prefix logits ------------------------------------
+
+def tiny_llama(seed: int) -> LlamaForCausalLM:
+    """Vocabulary 8, hidden 32, 2 layers. A large init (0.2) and a doubled LM head make the
+    conditionals differ by context: some nearly one-hot, some close to uniform."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+        initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    return model
+
+
+def perturbed(model: LlamaForCausalLM, seed: int, scale: float) -> LlamaForCausalLM:
+    """A different model close to ``model``: every non-norm weight plus ``scale`` x another init."""
+    other = tiny_llama(seed)
+    with torch.no_grad():
+        for (name, fresh), (_, base) in zip(other.named_parameters(), model.named_parameters()):
+            fresh.copy_(base if "norm" in name else base + scale * fresh)
+    return other
+
+
+class PrefixLogits:
+    """logits(context) = the model's last-position logits (V,) float32 for exactly that prefix,
+    from a plain full forward without a cache, memoised by the token tuple."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        self.memo: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def __call__(self, context) -> torch.Tensor:
+        context = tuple(context)
+        row = self.memo.get(context)
+        if row is None:
+            with torch.inference_mode():
+                row = self.model(torch.tensor([context])).logits[0, -1].float()
+            self.memo[context] = row
+        return row
+
+
+class TableSession:
+    """A TargetSession whose logits come from a PrefixLogits table (the protocol of session.py).
+
+    verify() returns, at each tree position, the logits given the committed sequence, the root and
+    the position's ancestor path; commit() checks that ``keep`` is a root-first path in the tree.
+    """
+
+    def __init__(self, logits: PrefixLogits):
+        self.logits = logits
+        self.committed: tuple[int, ...] = ()
+        self.length = 0
+        self._contexts: list[tuple[int, ...]] = []
+        self._parent: list[int] = []
+
+    def prefill(self, input_ids) -> StepOutput:
+        assert not self.committed, "prefill on a used session"
+        self.committed = tuple(int(t) for t in input_ids)
+        self.length = len(self.committed)
+        return StepOutput(logits=self.logits(self.committed)[None])  # (1, V)
+
+    def verify(self, root, tree: DraftTree, buffers) -> StepOutput:
+        tokens = tree.tokens.tolist()
+        parent = buffers.parent.tolist()
+        assert parent[1:] == [p + 1 for p in tree.parents.tolist()], "buffers do not match the tree"
+        contexts = [self.committed + (int(root),)]
+        for i in range(1, buffers.size):  # parents come first
+            contexts.append(contexts[parent[i]] + (tokens[i - 1],))
+        self._contexts, self._parent = contexts, parent
+        return StepOutput(logits=torch.stack([self.logits(c) for c in contexts]))  # (M, V)
+
+    def commit(self, keep) -> None:
+        keep = list(keep)
+        assert keep and keep[0] == 0, f"keep must start at the root, got {keep}"
+        for a, b in zip(keep, keep[1:]):
+            assert self._parent[b] == a, f"keep {keep} is not a path in the tree"
+        self.committed = self._contexts[keep[-1]]
+        self.length = len(self.committed)
+
+
+# --- drafters (deterministic given the context) ------------------------------------------------------
+
+class RecordingDrafter(Drafter):
+    """Proposals memoised by context; ``last_q`` maps each tree position with children to the
+    draft distribution (V,) at that position, for the planted biased rule to read."""
+
+    def __init__(self):
+        self.memo: dict[tuple[int, ...], tuple[DraftTree, dict[int, torch.Tensor]]] = {}
+        self.last_q: dict[int, torch.Tensor] = {}
+
+    def propose(self, state, sequence):
+        key = tuple(sequence)
+        if key not in self.memo:
+            self.memo[key] = self.build(key)
+        tree, self.last_q = self.memo[key]
+        return tree, state
+
+    def build(self, sequence: tuple[int, ...]) -> tuple[DraftTree, dict[int, torch.Tensor]]:
+        raise NotImplementedError
+
+
+class GreedyChainDrafter(RecordingDrafter):
+    """The draft model's greedy chain of ``depth`` tokens."""
+
+    def __init__(self, draft: PrefixLogits, depth: int = 3):
+        super().__init__()
+        self.draft, self.depth = draft, depth
+
+    def build(self, sequence):
+        chain, qs = [], {}
+        for d in range(self.depth):
+            q = self.draft(sequence + tuple(chain)).double().softmax(-1)
+            qs[d] = q  # position d is the root (d = 0) or chain node d - 1
+            chain.append(int(q.argmax()))
+        return DraftTree.chain(chain), qs
+
+
+class TopTwoTreeDrafter(RecordingDrafter):
+    """The draft model's top-2 tokens below the root and its top-2 below each: 6 nodes, 2 levels."""
+
+    def __init__(self, draft: PrefixLogits):
+        super().__init__()
+        self.draft = draft
+
+    def build(self, sequence):
+        q0 = self.draft(sequence).double().softmax(-1)
+        first = torch.topk(q0, 2).indices.tolist()
+        tokens, parents, qs = list(first), [-1, -1], {0: q0}
+        for j, tok in enumerate(first):
+            q = self.draft(sequence + (tok,)).double().softmax(-1)
+            qs[j + 1] = q
+            tokens += torch.topk(q, 2).indices.tolist()
+            parents += [j, j]
+        return DraftTree(torch.tensor(tokens), torch.tensor(parents)), qs
+
+
+class RightOrWrongDrafter(RecordingDrafter):
+    """The target's own argmax chain (3 tokens) for two contexts in three, the target's least
+    likely tokens (outside any top-k) otherwise; which one depends on the context only."""
+
+    def __init__(self, target: PrefixLogits):
+        super().__init__()
+        self.target = target
+
+    def build(self, sequence):
+        right = sum(sequence) % 3 != 0
+        chain = []
+        for _ in range(3):
+            logits = self.target(sequence + tuple(chain))
+            chain.append(int(logits.argmax() if right else logits.argmin()))
+        return DraftTree.chain(chain), {}
+
+
+# --- the planted biased rule -------------------------------------------------------------------------
+
+def make_wrong_rule(drafter: RecordingDrafter):
+    """min(1, p/q) per child, q = the draft softmax renormalised over the node's (deterministic)
+    children; when every child is rejected, sample from normalised max(0, p - q). Biased here."""
+
+    def wrong_rule(probs, tokens, buffers, generator):
+        token_at = tokens.tolist()
+        accepted, node = [], 0
+        while True:
+            kids = buffers.children[node]
+            p = probs[node]
+            q = torch.zeros_like(p)
+            if kids:
+                kid_tokens = [token_at[c - 1] for c in kids]
+                restricted = drafter.last_q[node][kid_tokens]
+                q[kid_tokens] = restricted / restricted.sum()
+            chosen = -1
+            for child in kids:
+                tok = token_at[child - 1]
+                ratio = min(1.0, float(p[tok]) / float(q[tok]))
+                if float(torch.rand((), dtype=torch.float64, generator=generator)) < ratio:
+                    chosen = child
+                    break
+            if chosen < 0:
+                residual = (p - q).clamp(min=0.0)
+                if float(residual.sum()) <= 0.0:
+                    residual = p
+                return accepted, int(torch.multinomial(residual, 1, generator=generator))
+            accepted.append(chosen)
+            node = chosen
+
+    return wrong_rule
+
+
+# --- exact distribution, sampling, the test statistic ------------------------------------------------
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __str__(self):
+        return f"T={self.temperature} top_k={self.top_k} top_p={self.top_p}"
+
+
+def exact_distribution(target: PrefixLogits, prompt, length: int, sampling: Sampling) -> np.ndarray:
+    """(V^L,) probability of each continuation, indexed as np.ravel_multi_index of the tokens."""
+    probs = np.zeros(VOCAB**length)
+    memo: dict[tuple[int, ...], np.ndarray] = {}
+
+    def conditional(context):
+        if context not in memo:
+            row = target_probs(target(context)[None].float(), sampling.temperature, sampling.top_k, sampling.top_p)
+            memo[context] = row[0].numpy()
+        return memo[context]
+
+    for index, cont in enumerate(itertools.product(range(VOCAB), repeat=length)):  # row-major order
+        p = 1.0
+        for j in range(length):
+            p *= conditional(tuple(prompt) + cont[:j])[cont[j]]
+            if p == 0.0:
+                break
+        probs[index] = p
+    assert abs(probs.sum() - 1.0) < 1e-9
+    return probs
+
+
+@dataclass
+class Samples:
+    counts: np.ndarray  # (V^L,) int64, continuations by np.ravel_multi_index
+    drafted: Counter  # depth d -> runs x steps whose tree reached depth d
+    accepted: Counter  # depth d -> runs x steps that accepted a draft token at depth d
+
+
+def sample_counts(make_session, drafter, sampling: Sampling, n: int, *, rule=sample_verify, seed0=0) -> Samples:
+    """The continuations of ``n`` independent runs of the decoding loop (seeds seed0 .. seed0 + n - 1)."""
+    samples = Samples(np.zeros(VOCAB**NEW_TOKENS, dtype=np.int64), Counter(), Counter())
+    for i in range(n):
+        config = DecodeConfig(max_new_tokens=NEW_TOKENS, temperature=sampling.temperature, top_k=sampling.top_k,
+                              top_p=sampling.top_p, seed=seed0 + i, stop_on_eos=False)
+        out = speculative_decode(make_session(), PROMPT, drafter, config, sample_rule=rule)
+        assert len(out.token_ids) == NEW_TOKENS, out
+        samples.counts[np.ravel_multi_index(tuple(out.token_ids), (VOCAB,) * NEW_TOKENS)] += 1
+        samples.drafted.update(out.stats.depth_drafted)
+        samples.accepted.update(out.stats.depth_accepted)
+    return samples
+
+
+def goodness_of_fit(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float, int]:
+    """(chi-square p-value, total variation distance, cells tested). Zero-probability cells must be
+    empty; cells with expected count < 5 are pooled into one (grown to >= 5 if needed)."""
+    n = int(counts.sum())
+    impossible = counts[probs == 0]
+    assert impossible.sum() == 0, f"{impossible.sum()} samples fell on continuations of probability 0"
+    tv = 0.5 * float(np.abs(counts / n - probs).sum())
+    support = probs > 0
+    obs, exp = counts[support].astype(float), n * probs[support]
+    order = np.argsort(exp)
+    obs, exp = obs[order], exp[order]
+    small = int(np.searchsorted(exp, 5.0))  # exp is ascending: the first `small` cells are < 5
+    if small:
+        cut = small
+        while cut < exp.size and exp[:cut].sum() < 5.0:
+            cut += 1
+        obs = np.concatenate([[obs[:cut].sum()], obs[cut:]])
+        exp = np.concatenate([[exp[:cut].sum()], exp[cut:]])
+    exp *= obs.sum() / exp.sum()  # float rounding only
+    pvalue = float(stats.chisquare(obs, exp).pvalue)
+    return pvalue, tv, obs.size
+
+
+# --- fixtures ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Everything here is tiny: one thread avoids OpenMP hand-offs that dominate on busy CPUs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return tiny_llama(0)
+
+
+@pytest.fixture(scope="module")
+def target(target_model):
+    return PrefixLogits(target_model)
+
+
+@pytest.fixture(scope="module")
+def draft(target_model):
+    return PrefixLogits(perturbed(target_model, seed=1, scale=0.1))
+
+
+@pytest.fixture(scope="module")
+def drafters(target, draft):
+    return {"chain": GreedyChainDrafter(draft), "tree": TopTwoTreeDrafter(draft), "right-or-wrong": RightOrWrongDrafter(target)}
+
+
+# --- the tests ---------------------------------------------------------------------------------------
+
+def test_tiny_target_has_peaked_and_flat_conditionals(target, draft):
+    """The test only has teeth if the target is far from uniform in some contexts and not in others,
+    and the draft model is close to it but not equal."""
+    contexts = [PROMPT + c for n in range(NEW_TOKENS) for c in itertools.product(range(VOCAB), repeat=n)]
+    p = torch.stack([target(c) for c in contexts]).double().softmax(-1)  # (C, V)
+    q = torch.stack([draft(c) for c in contexts]).double().softmax(-1)
+    top = p.max(-1).values
+    assert float(top.max()) > 0.9 and float(top.min()) < 0.3, f"max p ranges {float(top.min()):.2f}..{float(top.max()):.2f}"
+    assert 0.3 < float((top > 0.6).double().mean()) < 0.8
+    tv = 0.5 * (p - q).abs().sum(-1)
+    agree = float((p.argmax(-1) == q.argmax(-1)).double().mean())
+    assert 0.05 < float(tv.median()) < 0.5 and 0.5 < agree < 0.95, (float(tv.median()), agree)
+
+
+def test_target_probs_matches_transformers_warpers(target):
+    """The exact distribution uses target_probs; it is transformers' temperature/top-k/top-p."""
+    from transformers import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
+
+    logits = torch.stack([target(PROMPT + c) for c in itertools.product(range(VOCAB), repeat=2)])  # (64, V)
+    for s in [Sampling(1.0), Sampling(0.7, top_k=4), Sampling(1.0, top_p=0.8), Sampling(0.7, top_k=4, top_p=0.8)]:
+        warpers = LogitsProcessorList([TemperatureLogitsWarper(s.temperature)])
+        if s.top_k:
+            warpers.append(TopKLogitsWarper(s.top_k))
+        if s.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(s.top_p))
+        expected = warpers(None, logits.double()).softmax(-1)
+        ours = target_probs(logits, s.temperature, s.top_k, s.top_p)
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12, msg=str(s))
+
+
+def _check(label: str, samples: Samples, probs: np.ndarray, elapsed: float) -> tuple[float, float]:
+    pvalue, tv = goodness_of_fit(samples.counts, probs)[:2]
+    n = int(samples.counts.sum())
+    depths = " ".join(f"d{d}:{samples.accepted[d]}/{samples.drafted[d]}" for d in sorted(samples.drafted))
+    print(f"\n[{label}] n={n} chi2 p={pvalue:.3g} TV={tv:.4f} accepted/drafted {depths} ({elapsed:.1f} s)")
+    return pvalue, tv
+
+
+def _assert_exercised(samples: Samples, label: str) -> None:
+    """The runs must accept depth-2 nodes and reject depth-1 ones often, or the test proves little."""
+    n = int(samples.counts.sum())
+    assert samples.accepted[2] > 0.05 * n, f"{label}: depth 2 accepted only {samples.accepted[2]} times in {n} runs"
+    rejected = samples.drafted[1] - samples.accepted[1]
+    assert rejected > 0.05 * n, f"{label}: depth 1 rejected only {rejected} times in {n} runs"
+
+
+STUB_CASES = [
+    ("chain", Sampling(1.0)),
+    ("chain", Sampling(0.7, top_k=4)),
+    ("chain", Sampling(0.7, top_p=0.8)),
+    ("tree", Sampling(1.0)),
+    ("tree", Sampling(0.7)),
+    ("tree", Sampling(1.0, top_k=4)),
+    ("tree", Sampling(1.0, top_p=0.8)),
+    ("right-or-wrong", Sampling(1.0, top_k=4, top_p=0.8)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,sampling", STUB_CASES, ids=[f"{k}-{s}".replace(" ", ",") for k, s in STUB_CASES])
+def test_speculative_sampling_has_target_distribution(target, drafters, kind, sampling):
+    n = 20_000
+    probs = exact_distribution(target, PROMPT, NEW_TOKENS, sampling)
+    start = time.perf_counter()
+    samples = sample_counts(lambda: TableSession(target), drafters[kind], sampling, n)
+    pvalue, tv = _check(f"{kind} {sampling}", samples, probs, time.perf_counter() - start)
+    assert pvalue > ALPHA, f"{kind} drafter, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
+    _assert_exercised(samples, f"{kind} {sampling}")
+
+
+def forgets_to_renormalise(probs, tokens, buffers, generator):
+    """A subtler planted bug: the right walk, but the k-th child is accepted with probability r(c)
+    instead of r(c) / sum(r) after earlier siblings were rejected."""
+    token_at = tokens.tolist()
+    accepted, node = [], 0
+    while True:
+        residual, chosen = probs[node].clone(), -1
+        for child in buffers.children[node]:
+            tok = token_at[child - 1]
+            if float(torch.rand((), dtype=torch.float64, generator=generator)) < float(residual[tok]):
+                chosen = child
+                break
+            residual[tok] = 0.0
+        if chosen < 0:
+            return accepted, int(torch.multinomial(residual, 1, generator=generator))
+        accepted.append(chosen)
+        node = chosen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["min(1,p/q)", "no-renormalisation"])
+def test_biased_rule_is_detected(target, drafters, bug):
+    """The same test rejects biased rules, with a quarter of the samples the correct rule gets:
+    min(1, p/q) over deterministic top-2 children (DESIGN.md's warning), and a walk that forgets
+    to renormalise the residual."""
+    sampling, n = Sampling(1.0), 5_000
+    drafter = drafters["tree"]
+    rule = make_wrong_rule(drafter) if bug == "min(1,p/q)" else forgets_to_renormalise
+    probs = exact_distribution(target, PROMPT, NEW_TOKENS, sampling)
+    start = time.perf_counter()
+    samples = sample_counts(lambda: TableSession(target), drafter, sampling, n, rule=rule)
+    pvalue, tv = _check(f"BIASED {bug} tree {sampling}", samples, probs, time.perf_counter() - start)
+    assert pvalue < REJECT, f"the biased rule {bug} passed: chi-square p-value {pvalue:.3g} >= {REJECT} (TV {tv:.4f}, n={n})"
+
+
+@pytest.mark.slow
+def test_real_session_has_target_distribution(target_model, target, drafters):
+    """The same check through CausalLMSession: KV cache, 4D tree mask, compaction after each step."""
+    sampling, n = Sampling(1.0), 4_000
+    probs = exact_distribution(target, PROMPT, NEW_TOKENS, sampling)
+    start = time.perf_counter()
+    samples = sample_counts(lambda: CausalLMSession(target_model), drafters["tree"], sampling, n, seed0=10**6)
+    pvalue, tv = _check(f"CausalLMSession tree {sampling}", samples, probs, time.perf_counter() - start)
+    assert pvalue > ALPHA, f"CausalLMSession, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
+    _assert_exercised(samples, "CausalLMSession tree")
+
+
+def test_sample_verify_on_hand_made_tree():
+    """Exact law of (accepted path, bonus) on a 2-level tree with a zero-mass child and a duplicate
+    sibling: the walk emits token after token as the rows of p prescribe (first token ~ p[0])."""
+    v = 6
+    # node: 0:2 1:4 2:5 3:2(dup) | 4:1 5:3 below node 0 | 6:0 below node 1
+    tree = DraftTree(torch.tensor([2, 4, 5, 2, 1, 3, 0]), torch.tensor([-1, -1, -1, -1, 0, 0, 1]))
+    buffers = build_tree_buffers(tree)
+    rng = np.random.default_rng(3)
+    probs = torch.tensor(rng.dirichlet(np.full(v, 0.7), size=buffers.size))  # (M, V) float64
+    probs[0, 5] = 0.0  # node 2 can never be accepted
+    probs[0] /= probs[0].sum()
+
+    exact: dict[tuple[tuple[int, ...], int], float] = {}
+
+    def walk(pos, path, mass):
+        seen = set()
+        for child in buffers.children[pos]:
+            tok = int(tree.tokens[child - 1])
+            if tok in seen:
+                continue  # a duplicate sibling is never accepted
+            seen.add(tok)
+            walk(child, path + (child,), mass * float(probs[pos, tok]))
+        for bonus in range(v):
+            if bonus not in seen:
+                exact[(path, bonus)] = mass * float(probs[pos, bonus])
+
+    walk(0, (), 1.0)
+    assert abs(sum(exact.values()) - 1.0) < 1e-12
+    outcomes = list(exact)
+    index = {o: i for i, o in enumerate(outcomes)}
+    expected = np.array([exact[o] for o in outcomes])
+
+    n = 100_000
+    generator = torch.Generator().manual_seed(0)
+    counts = np.zeros(len(outcomes), dtype=np.int64)
+    first = np.zeros(v, dtype=np.int64)
+    for _ in range(n):
+        accepted, bonus = sample_verify(probs, tree.tokens, buffers, generator)
+        key = (tuple(accepted), bonus)
+        assert key in index, f"impossible outcome {key}"
+        counts[index[key]] += 1
+        first[int(tree.tokens[accepted[0] - 1]) if accepted else bonus] += 1
+
+    pvalue, tv, _ = goodness_of_fit(counts, expected)
+    print(f"\n[sample_verify hand-made tree] n={n} (path, bonus) chi2 p={pvalue:.3g} TV={tv:.4f}", end="")
+    assert pvalue > ALPHA, f"(path, bonus) law: chi-square p-value {pvalue:.3g} (TV {tv:.4f})"
+    pvalue, tv, _ = goodness_of_fit(first, probs[0].numpy())
+    print(f"; first token chi2 p={pvalue:.3g} TV={tv:.4f}")
+    assert pvalue > ALPHA, f"first token vs p[0]: chi-square p-value {pvalue:.3g} (TV {tv:.4f})"

@@ -1,0 +1,133 @@
+"""Tree buffers, tree attention and KV compaction against brute force (each path run alone)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from selfdraft.inference.session import CausalLMSession
+from selfdraft.inference.tree import DraftTree, build_tree_buffers, tree_attention_mask
+from selfdraft.inference.verify import greedy_verify
+
+# Node i's parent in a small hand-drawn tree:
+#   root -> 0 -> 2 -> 5
+#        |    -> 3
+#        -> 1 -> 4
+PARENTS = [-1, -1, 0, 0, 1, 2]
+
+
+def tiny_llama(seed=0, vocab=61, layers=2):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def full_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def test_buffers_of_a_hand_drawn_tree():
+    tree = DraftTree(torch.tensor([10, 11, 12, 13, 14, 15]), torch.tensor(PARENTS))
+    b = build_tree_buffers(tree)
+    assert b.size == 7
+    assert b.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert b.parent.tolist() == [-1, 0, 0, 1, 1, 2, 3]
+    assert b.children == ((1, 2), (3, 4), (5,), (6,), (), (), ())
+    # Position 6 (node 5) sees root, node 0 (pos 1), node 2 (pos 3) and itself.
+    assert torch.nonzero(b.ancestors[6]).flatten().tolist() == [0, 1, 3, 6]
+    assert b.ancestors.tril().equal(b.ancestors)
+    assert sorted(map(tuple, b.paths.tolist())) == [(0, 1, 3, 6), (0, 1, 4, -1), (0, 2, 5, -1)]
+    assert not b.is_chain
+    assert build_tree_buffers(DraftTree.chain([3, 4, 5])).is_chain
+    assert build_tree_buffers(DraftTree.empty()).paths.tolist() == [[0]]
+
+
+def test_from_paths_merges_prefixes_and_prune_keeps_a_tree():
+    tree = DraftTree.from_paths([[1, 2, 3], [1, 2, 4], [5], [1, 6]])
+    assert tree.tokens.tolist() == [1, 5, 2, 6, 3, 4]
+    assert tree.parents.tolist() == [-1, -1, 0, 0, 2, 2]
+    pruned = tree.prune(max_depth=2, max_nodes=3)
+    assert pruned.tokens.tolist() == [1, 5, 2] and pruned.parents.tolist() == [-1, -1, 0]
+    assert tree.prune(max_depth=0, max_nodes=5).num_nodes == 0
+    with pytest.raises(ValueError):
+        DraftTree(torch.tensor([1, 2]), torch.tensor([1, -1]))
+
+
+def test_mask_is_additive_float():
+    b = build_tree_buffers(DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, 0])))
+    mask = tree_attention_mask(b.ancestors, past=5, dtype=torch.float32)
+    assert mask.shape == (1, 1, 4, 9) and mask.dtype == torch.float32
+    assert (mask[0, 0, :, :5] == 0).all()
+    assert mask[0, 0, 3, 5 + 2] == torch.finfo(torch.float32).min  # node 2 (pos 3) does not see node 1 (pos 2)
+    assert mask[0, 0, 3, 5 + 1] == 0
+
+
+@pytest.mark.parametrize(
+    "parents",
+    [PARENTS, [-1, 0, 1, 2], [-1, -1, -1, 0, 0, 1, 3, 3, 6], [-1]],
+    ids=["hand", "chain", "wide", "single"],
+)
+def test_tree_logits_equal_each_path_alone(parents):
+    model = tiny_llama()
+    prompt = [5, 9, 2, 33, 7, 1, 40, 12]
+    tokens = torch.arange(20, 20 + len(parents))
+    tree = DraftTree(tokens, torch.tensor(parents))
+    b = build_tree_buffers(tree)
+    session = CausalLMSession(model)
+    session.prefill(prompt[:-1])
+    out = session.verify(prompt[-1], tree, b)
+    for pos in range(b.size):
+        path = torch.nonzero(b.ancestors[pos]).flatten().tolist()
+        ids = prompt + [int(tokens[p - 1]) for p in path[1:]]
+        ref = full_logits(model, ids)[-1]
+        torch.testing.assert_close(out.logits[pos], ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("accepted", [[], [1], [1, 3, 6], [2, 5], [1, 4]])
+def test_compaction_leaves_the_cache_of_the_accepted_path(accepted):
+    model = tiny_llama()
+    prompt = [5, 9, 2, 33, 7, 1, 40, 12]
+    tokens = torch.arange(20, 20 + len(PARENTS))
+    tree = DraftTree(tokens, torch.tensor(PARENTS))
+    b = build_tree_buffers(tree)
+    session = CausalLMSession(model)
+    session.prefill(prompt[:-1])
+    session.verify(prompt[-1], tree, b)
+    session.commit([0] + accepted)
+    kept = prompt + [int(tokens[p - 1]) for p in accepted]
+    assert session.length == len(kept)
+
+    alone = CausalLMSession(model)
+    alone.prefill(kept)
+    for mine, ref in zip(session.cache.layers, alone.cache.layers):
+        torch.testing.assert_close(mine.keys, ref.keys, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values, ref.values, atol=2e-5, rtol=1e-5)
+    # And decoding goes on as if the path had been fed alone.
+    nxt = session.verify(3, DraftTree.chain([4, 8]), build_tree_buffers(DraftTree.chain([4, 8])))
+    torch.testing.assert_close(nxt.logits, full_logits(model, kept + [3, 4, 8])[-3:], atol=2e-5, rtol=1e-5)
+
+
+def scripted_logits(argmax_per_position, vocab=10):
+    logits = torch.zeros(len(argmax_per_position), vocab)
+    logits[torch.arange(len(argmax_per_position)), torch.tensor(argmax_per_position)] = 1.0
+    return logits
+
+
+def test_greedy_verify_on_scripted_targets():
+    chain = DraftTree.chain([1, 2, 3, 4, 5])
+    b = build_tree_buffers(chain)
+    # Target always agrees: every draft token accepted, bonus is the argmax after the last.
+    assert greedy_verify(scripted_logits([1, 2, 3, 4, 5, 6]), chain.tokens, b) == ([1, 2, 3, 4, 5], 6)
+    # Never agrees: nothing accepted, bonus is the root's argmax.
+    assert greedy_verify(scripted_logits([9, 2, 3, 4, 5, 6]), chain.tokens, b) == ([], 9)
+    # Accepts 2 of 5.
+    assert greedy_verify(scripted_logits([1, 2, 0, 4, 5, 6]), chain.tokens, b) == ([1, 2], 0)
+    # A tree: the matching branch is the second child of the root.
+    tree = DraftTree(torch.tensor([1, 7, 2, 3, 8, 9]), torch.tensor(PARENTS))
+    tb = build_tree_buffers(tree)
+    #            root node0 node1 node2 node3 node4 node5
+    assert greedy_verify(scripted_logits([7, 0, 8, 0, 0, 5, 0]), tree.tokens, tb) == ([2, 5], 5)
+    assert greedy_verify(scripted_logits([1, 3, 0, 0, 6, 0, 0]), tree.tokens, tb) == ([1, 4], 6)
