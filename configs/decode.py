@@ -55,7 +55,7 @@ class PromptLookupConfig:
     num_tokens: int = 10
     """Draft tokens copied after a match (the depth of each branch)."""
     max_branches: int = 1
-    """Distinct continuations (most recent matches first) merged into one tree; 1 drafts a chain."""
+    """Distinct continuations (earliest matches first) merged into one tree; 1 drafts a chain."""
     max_nodes: int = 16
     """Most draft tokens in one tree."""
 

@@ -66,8 +66,9 @@ class PromptLookupDrafter(Drafter):
     """Copies what followed earlier occurrences of the sequence's last n tokens (prompt and output).
 
     The longest suffix n-gram (``max_ngram`` down to ``min_ngram``) that occurred before wins; its
-    most recent occurrences come first. Up to ``max_branches`` distinct continuations are merged into
-    one tree (a chain when 1).
+    earliest occurrences come first (on HumanEval with the embedded target, fp32, earliest-first
+    accepted 2.82 tokens per forward against 2.50 for most-recent-first). Up to ``max_branches``
+    distinct continuations are merged into one tree (a chain when 1).
     """
 
     name = "prompt-lookup"
@@ -85,7 +86,7 @@ class PromptLookupDrafter(Drafter):
             # Windows starting at 0..t-n-1: every earlier occurrence, excluding the suffix itself.
             windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # (t - n, n)
             starts = np.flatnonzero((windows == seq[t - n :]).all(axis=1))
-            for start in starts[::-1]:
+            for start in starts:
                 follow = seq[start + n : start + n + cfg.num_tokens]
                 key = tuple(follow.tolist())
                 if key in seen:
