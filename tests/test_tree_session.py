@@ -65,39 +65,40 @@ def test_mask_is_additive_float():
     assert mask[0, 0, 3, 5 + 1] == 0
 
 
+PROMPT = [5, 9, 2, 33, 7, 1, 40, 12]
+
+
+def verify_a_tree(parents):
+    """Prefill PROMPT minus its last token, then verify that token as the root of a tree with the
+    given parents (tokens 20, 21, ...). Returns (model, session, tokens, buffers, step output)."""
+    model = tiny_llama()
+    tokens = torch.arange(20, 20 + len(parents))
+    tree = DraftTree(tokens, torch.tensor(parents))
+    b = build_tree_buffers(tree)
+    session = CausalLMSession(model)
+    session.prefill(PROMPT[:-1])
+    return model, session, tokens, b, session.verify(PROMPT[-1], tree, b)
+
+
 @pytest.mark.parametrize(
     "parents",
     [PARENTS, [-1, 0, 1, 2], [-1, -1, -1, 0, 0, 1, 3, 3, 6], [-1]],
     ids=["hand", "chain", "wide", "single"],
 )
 def test_tree_logits_equal_each_path_alone(parents):
-    model = tiny_llama()
-    prompt = [5, 9, 2, 33, 7, 1, 40, 12]
-    tokens = torch.arange(20, 20 + len(parents))
-    tree = DraftTree(tokens, torch.tensor(parents))
-    b = build_tree_buffers(tree)
-    session = CausalLMSession(model)
-    session.prefill(prompt[:-1])
-    out = session.verify(prompt[-1], tree, b)
+    model, session, tokens, b, out = verify_a_tree(parents)
     for pos in range(b.size):
         path = torch.nonzero(b.ancestors[pos]).flatten().tolist()
-        ids = prompt + [int(tokens[p - 1]) for p in path[1:]]
+        ids = PROMPT + [int(tokens[p - 1]) for p in path[1:]]
         ref = full_logits(model, ids)[-1]
         torch.testing.assert_close(out.logits[pos], ref, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("accepted", [[], [1], [1, 3, 6], [2, 5], [1, 4]])
 def test_compaction_leaves_the_cache_of_the_accepted_path(accepted):
-    model = tiny_llama()
-    prompt = [5, 9, 2, 33, 7, 1, 40, 12]
-    tokens = torch.arange(20, 20 + len(PARENTS))
-    tree = DraftTree(tokens, torch.tensor(PARENTS))
-    b = build_tree_buffers(tree)
-    session = CausalLMSession(model)
-    session.prefill(prompt[:-1])
-    session.verify(prompt[-1], tree, b)
+    model, session, tokens, b, _ = verify_a_tree(PARENTS)
     session.commit([0] + accepted)
-    kept = prompt + [int(tokens[p - 1]) for p in accepted]
+    kept = PROMPT + [int(tokens[p - 1]) for p in accepted]
     assert session.length == len(kept)
 
     alone = CausalLMSession(model)
