@@ -17,7 +17,7 @@ from typing import Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
-from selfdraft.inference.tree import DraftTree, TreeBuffers, tree_attention_mask
+from selfdraft.inference.tree import DraftTree, TreeBuffers, additive_mask, tree_attention_mask
 
 
 @dataclass
@@ -111,9 +111,7 @@ class CausalLMSession:
     def feed_tree_nodes(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> StepOutput:
         """Append nodes of a growing tree: tokens (m,), positions (m,), visible (m, length + m) bool:
         which cached or new positions each new token may attend to. Logits (m, V)."""
-        mask = torch.zeros(1, 1, *visible.shape, dtype=self.mask_dtype)
-        mask[0, 0].masked_fill_(~visible, torch.finfo(self.mask_dtype).min)
-        out = self._forward(tokens, positions, mask, keep_logits=0)
+        out = self._forward(tokens, positions, additive_mask(visible, self.mask_dtype), keep_logits=0)
         self.length += tokens.numel()
         return out
 

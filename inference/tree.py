@@ -165,16 +165,20 @@ def build_tree_buffers(tree: DraftTree) -> TreeBuffers:
     )
 
 
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(Q, K) bool "may attend" -> (1, 1, Q, K) additive mask of ``dtype``: 0 where allowed, the
+    dtype's most negative value elsewhere. A float mask, never a bool one: the eager attention path
+    adds the mask (FACTS.md)."""
+    mask = torch.zeros(1, 1, *visible.shape, dtype=dtype)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)
+
+
 def tree_attention_mask(ancestors: torch.Tensor, past: int, dtype: torch.dtype) -> torch.Tensor:
     """The additive 4D mask for feeding M tree positions after ``past`` cached tokens.
 
-    ancestors: (M, M) bool from :class:`TreeBuffers`.
-    Returns (1, 1, M, past + M) of ``dtype``: 0 where attention is allowed (every cached token, and
-    the position's own ancestors), the dtype's most negative value elsewhere. A float mask, never a
-    bool one: the eager attention path adds the mask (FACTS.md).
+    ancestors: (M, M) bool from :class:`TreeBuffers`. Returns (1, 1, M, past + M): every cached token
+    and the position's own ancestors are visible.
     """
     m = ancestors.shape[0]
-    mask = torch.zeros(1, 1, m, past + m, dtype=dtype)
-    mask[0, 0, :, past:].masked_fill_(~ancestors, torch.finfo(dtype).min)
-    return mask
-
+    visible = torch.cat([torch.ones(m, past, dtype=torch.bool), ancestors], dim=1)  # (M, past + M)
+    return additive_mask(visible, dtype)
