@@ -1,0 +1,61 @@
+"""Medusa heads: K extra decoding heads on the target's last hidden state (weights and forward only).
+
+Head k (k = 0..K-1) reads the target's final normed hidden state at position t, the features that
+produced token t+1, and predicts token t+2+k. Each head is L residual blocks ``x + SiLU(W x + b)``
+followed by a vocabulary projection: its own, or the target's LM head passed in at call time (on
+small models the shared head keeps the drafter small). Blocks start at zero (W = 0, b = 0), so every
+head starts as the target's own next-token head, as in the Medusa paper.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K heads of L residual blocks each, with their own vocabulary projections or none (shared).
+
+    forward(hidden (..., D), lm_head) -> logits (K, ..., V). ``lm_head`` is the target's output
+    projection, used when the heads share it (``own_lm_head=False``), ignored otherwise.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1, own_lm_head: bool = False):
+        super().__init__()
+        if num_heads < 1 or num_layers < 0:
+            raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {num_heads}, {num_layers}")
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        # Distinct modules per head and per layer (never list multiplication of one instance).
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResidualBlock(hidden_size) for _ in range(num_layers))) for _ in range(num_heads)
+        )
+        self.lm_heads = (
+            nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads)) if own_lm_head else None
+        )
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.blocks)
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        if hidden.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden size {hidden.shape[-1]} != the heads' {self.hidden_size}")
+        if self.lm_heads is None and lm_head is None:
+            raise ValueError("these heads share the target's LM head: pass it as lm_head")
+        out = []
+        for k, blocks in enumerate(self.blocks):
+            features = blocks(hidden)  # (..., D)
+            project = self.lm_heads[k] if self.lm_heads is not None else lm_head
+            out.append(project(features))  # (..., V)
+        return torch.stack(out)  # (K, ..., V)

@@ -1,0 +1,96 @@
+"""Decoding with Medusa heads: static trees from choice lists, and sparse trees from measured accuracy.
+
+A *choice* is a path of ranks: (0, 1) is head 1's second-best token below head 0's best token. A
+tree is a set of choices closed under prefixes. :func:`sparse_tree` picks, for a node budget, the
+choices with the highest expected acceptance given per-head top-k accuracies (Medusa's sparse tree).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+import torch
+
+from selfdraft.errors import SelfdraftError
+from selfdraft.heads.medusa import MedusaHeads
+from selfdraft.inference.drafters import Drafter, Verified
+from selfdraft.inference.session import StepOutput
+from selfdraft.inference.tree import DraftTree
+
+Choice = tuple[int, ...]
+
+# A small tree for CPUs, where 8-16 verified tokens cost little more than one (FACTS.md): 10 nodes.
+CPU_CHOICES: tuple[Choice, ...] = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0))
+
+
+def normalise_choices(choices: Sequence[Sequence[int]], num_heads: int | None = None) -> list[Choice]:
+    """Validate choices and sort them by (depth, ranks): parents before children.
+
+    Every prefix of a choice must be a choice; ranks are >= 0; depth is at most ``num_heads``.
+    """
+    normal = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+    present = set(normal)
+    for c in normal:
+        if not c or min(c) < 0:
+            raise SelfdraftError(f"tree choice {c} must be a non-empty path of ranks >= 0")
+        if len(c) > 1 and c[:-1] not in present:
+            raise SelfdraftError(f"tree choice {c} has no parent {c[:-1]} among the choices")
+        if num_heads is not None and len(c) > num_heads:
+            raise SelfdraftError(f"tree choice {c} is {len(c)} deep but there are only {num_heads} heads")
+    return normal
+
+
+def sparse_tree(accuracy: torch.Tensor, budget: int) -> list[Choice]:
+    """The ``budget`` choices with the highest expected acceptance.
+
+    accuracy: (K, R), accuracy[k, r] = probability that head k's rank-r token is the right one
+    (measured on held-out data). A choice is accepted with the product of its path's accuracies, so
+    the expected acceptance length of a tree is the sum over its choices; a child never beats its
+    parent, so best-first expansion from the root is optimal.
+    """
+    acc = accuracy.double().tolist()
+    heads, ranks = len(acc), len(acc[0])
+    frontier = [(-acc[0][r], (r,)) for r in range(ranks)]
+    heapq.heapify(frontier)
+    chosen: list[Choice] = []
+    while frontier and len(chosen) < budget:
+        neg, choice = heapq.heappop(frontier)
+        chosen.append(choice)
+        if len(choice) < heads:
+            for r in range(ranks):
+                heapq.heappush(frontier, (neg * acc[len(choice)][r], choice + (r,)))
+    return normalise_choices(chosen, heads)
+
+
+class MedusaDrafter(Drafter):
+    """Proposes the tree of ``choices`` filled with the heads' top-ranked tokens.
+
+    Its state is the target's final hidden state (D,) at the position that produced the root.
+    """
+
+    name = "medusa"
+
+    def __init__(self, heads: MedusaHeads, target_model, choices: Sequence[Sequence[int]] = CPU_CHOICES):
+        self.heads = heads.to(device=target_model.device, dtype=target_model.dtype).eval()
+        self.lm_head = target_model.get_output_embeddings()
+        self.choices = normalise_choices(choices, heads.num_heads)
+        self.hidden_layers = (target_model.config.get_text_config().num_hidden_layers,)  # final normed state
+        self.vocab_size = target_model.config.get_text_config().vocab_size
+        # Node i's parent index, and how many ranks each depth needs.
+        index = {c: i for i, c in enumerate(self.choices)}
+        self.parents = torch.tensor([index[c[:-1]] if len(c) > 1 else -1 for c in self.choices], dtype=torch.long)
+        self.depth_ranks = [1 + max((c[d] for c in self.choices if len(c) > d), default=-1) for d in range(heads.num_heads)]
+
+    def start(self, prompt_ids, prefill: StepOutput):
+        return prefill.hidden[0][-1]
+
+    @torch.inference_mode()
+    def propose(self, hidden: torch.Tensor, sequence):
+        logits = self.heads(hidden[None], self.lm_head)[:, 0, : self.vocab_size]  # (K, V)
+        top = [torch.topk(logits[d], r).indices.tolist() if r else [] for d, r in enumerate(self.depth_ranks)]
+        tokens = torch.tensor([top[len(c) - 1][c[-1]] for c in self.choices], dtype=torch.long)
+        return DraftTree(tokens, self.parents), hidden
+
+    def observe(self, hidden, verified: Verified):
+        return verified.hidden[0][-1]
