@@ -190,7 +190,7 @@ class DraftModelDrafter(Drafter):
         return tree, session
 
 
-DRAFTER_KINDS = ("none", "prompt-lookup", "draft-model:SPEC")
+DRAFTER_KINDS = ("none", "prompt-lookup", "draft-model:SPEC", "PATH (an exported drafter folder)")
 
 
 def make_drafter(
@@ -200,8 +200,9 @@ def make_drafter(
     prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
     draft_model: DraftModelConfig = DraftModelConfig(),
 ) -> Drafter:
-    """Build a drafter from its CLI spec: ``none``, ``prompt-lookup`` or ``draft-model:SPEC``
-    (SPEC as for :func:`selfdraft.heads.target.load_target`, loaded with the target's dtype and device)."""
+    """Build a drafter from its CLI spec: ``none``, ``prompt-lookup``, ``draft-model:SPEC`` (SPEC as
+    for :func:`selfdraft.heads.target.load_target`, loaded with the target's dtype and device), or
+    the path of an exported drafter folder (checked against the target's identity)."""
     if isinstance(spec, Drafter):
         return spec
     if spec == "none":
@@ -213,4 +214,12 @@ def make_drafter(
 
         draft = load_target(spec[len("draft-model:") :], dtype=target.dtype, device=str(target.device))
         return DraftModelDrafter.for_target(draft, target, draft_model)
-    raise SelfdraftError(f"unknown drafter {spec!r}; choose one of: {', '.join(DRAFTER_KINDS)}")
+    from selfdraft.heads.io import is_drafter_folder
+
+    if is_drafter_folder(spec):
+        from selfdraft.inference.medusa import drafter_from_folder
+
+        return drafter_from_folder(spec, target)
+    raise SelfdraftError(
+        f"unknown drafter {spec!r}; choose one of: {', '.join(DRAFTER_KINDS)}"
+    )

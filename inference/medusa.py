@@ -94,3 +94,13 @@ class MedusaDrafter(Drafter):
 
     def observe(self, hidden, verified: Verified):
         return verified.hidden[0][-1]
+
+
+def drafter_from_folder(folder, target) -> MedusaDrafter:
+    """A Medusa drafter from an exported folder, refused unless it was trained for ``target``."""
+    from selfdraft.heads.io import load_drafter
+
+    heads, record = load_drafter(folder, target.identity)
+    if record.kind != "medusa":
+        raise SelfdraftError(f"{folder} holds a {record.kind} drafter; this selfdraft decodes medusa folders")
+    return MedusaDrafter(heads, target.model, record.decode.get("choices", CPU_CHOICES))
