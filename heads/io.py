@@ -63,22 +63,17 @@ def medusa_dims(heads: MedusaHeads) -> dict[str, Any]:
     }
 
 
-def save_drafter(folder: str | os.PathLike, module: nn.Module, record: DrafterRecord) -> pathlib.Path:
-    """Write ``module``'s weights and ``record`` as a drafter folder, atomically (replacing any old one)."""
+def write_folder(folder: str | os.PathLike, weights_name: str, tensors: dict[str, torch.Tensor], config: dict,
+                 metadata: dict[str, str] | None = None) -> pathlib.Path:
+    """Write ``config.json`` and a safetensors file as one folder, atomically: both go into a
+    temporary sibling that is renamed into place (an old folder is replaced only once the new is whole)."""
     from safetensors.torch import save_file
 
-    if record.kind not in BUILDERS:
-        raise SelfdraftError(f"unknown drafter kind {record.kind!r}; known: {', '.join(BUILDERS)}")
     folder = pathlib.Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
-        state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
-        save_file(state, str(work / WEIGHTS_FILE), metadata={"format": FORMAT})
-        config = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "kind": record.kind, "dims": record.dims,
-            "target": record.target.to_dict(), "decode": record.decode, "run_config": record.run_config,
-        }
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(work / weights_name), metadata=metadata)
         (work / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         if folder.exists():
             old = folder.parent / f".{folder.name}.old-{os.getpid()}"
@@ -90,6 +85,17 @@ def save_drafter(folder: str | os.PathLike, module: nn.Module, record: DrafterRe
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return folder
+
+
+def save_drafter(folder: str | os.PathLike, module: nn.Module, record: DrafterRecord) -> pathlib.Path:
+    """Write ``module``'s weights and ``record`` as a drafter folder, atomically (replacing any old one)."""
+    if record.kind not in BUILDERS:
+        raise SelfdraftError(f"unknown drafter kind {record.kind!r}; known: {', '.join(BUILDERS)}")
+    config = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": record.kind, "dims": record.dims,
+        "target": record.target.to_dict(), "decode": record.decode, "run_config": record.run_config,
+    }
+    return write_folder(folder, WEIGHTS_FILE, module.state_dict(), config, metadata={"format": FORMAT})
 
 
 def is_drafter_folder(path: str | os.PathLike) -> bool:

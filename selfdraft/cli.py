@@ -90,6 +90,33 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="write a drafter in a serving engine's layout (vLLM's MedusaModel)")
+    p.add_argument("drafter", help="an exported selfdraft drafter folder (config.json + model.safetensors)")
+    p.add_argument("--format", required=True, choices=["vllm"], help="target layout")
+    p.add_argument("--out", required=True, help="folder to write (replaced atomically)")
+    p.add_argument("--target", default=None, help="target spec, needed when the heads share its LM head (default: the recorded target)")
+    p.set_defaults(func=_run_export)
+
+
+def _run_export(args) -> int:
+    from selfdraft.heads.formats import export_vllm_medusa
+    from selfdraft.heads.io import load_drafter, read_record
+    from selfdraft.heads.target import load_target
+
+    record = read_record(args.drafter)
+    lm_head = None
+    if record.kind == "medusa" and not record.dims["own_lm_head"]:
+        target = load_target(args.target or record.target.name)
+        heads, record = load_drafter(args.drafter, target.identity)
+        lm_head = target.model.get_output_embeddings().weight.to(next(heads.parameters()).dtype)
+    else:
+        heads, record = load_drafter(args.drafter)
+    out = export_vllm_medusa(heads, args.out, lm_head)
+    print(f"wrote {record.kind} drafter in vLLM's MedusaModel layout to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from selfdraft import __version__
 
@@ -97,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"selfdraft {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_export(sub)
     return parser
 
 

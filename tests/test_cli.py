@@ -92,3 +92,19 @@ def test_prompt_longer_than_the_context(embedded_fp32, tmp_path):
     embedded_fp32.tokenizer.save_pretrained(tmp_path)
     proc = cli("generate", "--target", str(tmp_path), "--prompt", "word " * 40, "--max-new-tokens", "4")
     assert_clean_error(proc, "context holds 16")
+
+
+@pytest.mark.embedded
+def test_export_to_vllm_from_the_cli(embedded_fp32, tmp_path):
+    from selfdraft.heads.formats import import_vllm_medusa
+    from selfdraft.heads.io import DrafterRecord, medusa_dims, save_drafter
+    from selfdraft.heads.medusa import MedusaHeads
+
+    heads = MedusaHeads(576, 49152, num_heads=2, num_layers=1)
+    native = save_drafter(tmp_path / "native", heads, DrafterRecord("medusa", medusa_dims(heads), embedded_fp32.identity))
+    proc = cli("export", str(native), "--format", "vllm", "--out", str(tmp_path / "vllm"))
+    assert proc.returncode == 0, proc.stderr
+    back, shared = import_vllm_medusa(tmp_path / "vllm")
+    assert torch.equal(shared, embedded_fp32.model.get_output_embeddings().weight)
+    hidden = torch.randn(3, 576)
+    assert torch.equal(back(hidden, embedded_fp32.model.lm_head), heads(hidden, embedded_fp32.model.lm_head))
