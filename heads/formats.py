@@ -21,7 +21,7 @@ import re
 import torch
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.io import write_folder
+from selfdraft.heads.io import load_strict, read_weights, write_folder
 from selfdraft.heads.medusa import MedusaHeads
 
 VLLM_WEIGHTS = "model.safetensors"
@@ -84,7 +84,7 @@ def import_vllm_medusa(folder: str | os.PathLike) -> tuple[MedusaHeads, torch.Te
     shared_weight = tensors.get("lm_head.weight", tensors.get("lm_heads.0.weight")) if shared else None
     if shared and shared_weight is None:
         raise SelfdraftError(f"{folder}: original_lm_head is set but there is no lm_head.weight")
-    _load_strict(heads, state, folder)
+    load_strict(heads, state, f"{folder}: tensors do not form the Medusa heads its config describes")
     return heads, shared_weight
 
 
@@ -109,7 +109,7 @@ def import_fasterdecoding_medusa(folder: str | os.PathLike) -> MedusaHeads:
             continue
         h, l = int(m[1]), int(m[2])
         state[f"lm_heads.{h}.weight" if l == num_layers else f"blocks.{h}.{l}.linear.{m[3]}"] = value
-    _load_strict(heads, state, folder)
+    load_strict(heads, state, f"{folder}: tensors do not form the Medusa heads its config describes")
     return heads
 
 
@@ -119,22 +119,7 @@ def _require(config: dict, folder, *keys: str) -> None:
         raise SelfdraftError(f"{folder}/config.json lacks {missing}")
 
 
-def _load_strict(heads: MedusaHeads, state: dict, folder) -> None:
-    expected = {k: tuple(v.shape) for k, v in heads.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state.items()}
-    if expected != got:
-        raise SelfdraftError(
-            f"{folder}: tensors do not form the Medusa heads its config describes: missing "
-            f"{sorted(set(expected) - set(got))[:5]}, unexpected {sorted(set(got) - set(expected))[:5]}, "
-            f"wrong shapes {[k for k in expected if k in got and got[k] != expected[k]][:5]}"
-        )
-    heads.load_state_dict(state, strict=True)
-
-
 def _read(folder, weights_name: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     folder = pathlib.Path(folder)
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -142,11 +127,4 @@ def _read(folder, weights_name: str) -> tuple[dict, dict[str, torch.Tensor]]:
         raise SelfdraftError(f"{folder} has no config.json") from err
     except json.JSONDecodeError as err:
         raise SelfdraftError(f"{folder}/config.json is not valid JSON: {err}") from err
-    try:
-        tensors = load_file(str(folder / weights_name))
-    except FileNotFoundError as err:
-        raise SelfdraftError(f"{folder} has no {weights_name}") from err
-    except (SafetensorError, OSError, ValueError) as err:
-        raise SelfdraftError(f"{folder}/{weights_name} is truncated or corrupt ({err})") from err
-    return config, tensors
-
+    return config, read_weights(folder / weights_name)

@@ -138,15 +138,39 @@ def read_record(folder: str | os.PathLike) -> DrafterRecord:
     )
 
 
+def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file; a missing, truncated or corrupt file is a clear error."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise SelfdraftError(f"{path.parent} has no {path.name}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise SelfdraftError(f"{path} is truncated or corrupt ({err}); write it again") from err
+
+
+def load_strict(module: nn.Module, state: dict[str, torch.Tensor], mismatch: str) -> None:
+    """Load ``state`` into ``module`` only if names and shapes match exactly; otherwise raise
+    ``mismatch`` followed by the missing, unexpected and wrongly shaped tensors."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if expected != got:
+        missing = sorted(set(expected) - set(got))
+        unexpected = sorted(set(got) - set(expected))
+        shapes = [f"{k}: {got[k]} instead of {expected[k]}" for k in sorted(set(expected) & set(got)) if got[k] != expected[k]]
+        raise SelfdraftError(f"{mismatch}: missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shapes {shapes[:5]}")
+    module.load_state_dict(state, strict=True)
+
+
 def load_drafter(folder: str | os.PathLike, target: TargetIdentity | None = None) -> tuple[nn.Module, DrafterRecord]:
     """Load a drafter folder: (head module on CPU in its saved dtype, record).
 
     With ``target``, refuse a drafter trained for a different target (vocab, hidden size, layers or
     tokenizer), naming each differing field.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     folder = pathlib.Path(folder)
     record = read_record(folder)
     if target is not None:
@@ -156,25 +180,10 @@ def load_drafter(folder: str | os.PathLike, target: TargetIdentity | None = None
                 f"drafter {folder} was trained for target {record.target.name!r}, not {target.name!r}: " + "; ".join(diff)
             )
     weights = folder / WEIGHTS_FILE
-    if not weights.is_file():
-        raise SelfdraftError(f"{folder} has no {WEIGHTS_FILE}")
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise SelfdraftError(f"{weights} is truncated or corrupt ({err}); export it again") from err
+    state = read_weights(weights)
     build, _ = BUILDERS[record.kind]
     module = build(record.dims)
-    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state.items()}
-    if expected != got:
-        missing = sorted(set(expected) - set(got))
-        unexpected = sorted(set(got) - set(expected))
-        shapes = [f"{k}: {got[k]} instead of {expected[k]}" for k in sorted(set(expected) & set(got)) if got[k] != expected[k]]
-        raise SelfdraftError(
-            f"{weights} does not match a {record.kind} drafter with {record.dims}: "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shapes {shapes[:5]}"
-        )
-    module.load_state_dict(state, strict=True)
+    load_strict(module, state, f"{weights} does not match a {record.kind} drafter with {record.dims}")
     dtypes = {v.dtype for v in state.values()}
     if len(dtypes) == 1:
         module.to(dtype=dtypes.pop())
