@@ -27,6 +27,12 @@ class DecodeConfig:
     """Seed of the sampler's random generator (None: a fresh random seed)."""
     stop_on_eos: bool = True
     """Stop after the target emits one of its end-of-sequence tokens (the EOS token is kept)."""
+    acceptance: str = "exact"
+    """``exact`` keeps the target's distribution; ``typical`` (LOSSY, sampling only) accepts a draft
+    token when its target probability exceeds min(typical_epsilon, typical_delta * exp(-entropy)),
+    Medusa's typical acceptance: longer accepted paths, but the output distribution changes."""
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
 
     @property
     def greedy(self) -> bool:
@@ -41,7 +47,18 @@ class DecodeConfig:
             raise SelfdraftError(f"top_k must be an integer >= 0 (0 means no limit), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise SelfdraftError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.acceptance not in ("exact", "typical"):
+            raise SelfdraftError(f"acceptance must be 'exact' or 'typical' (lossy), got {self.acceptance!r}")
+        if self.acceptance == "typical" and self.greedy:
+            raise SelfdraftError("typical acceptance is a sampling mode: give temperature > 0 (greedy is exact anyway)")
+        if self.acceptance == "typical" and not (0 < self.typical_epsilon <= 1 and self.typical_delta > 0):
+            raise SelfdraftError("typical acceptance needs 0 < typical_epsilon <= 1 and typical_delta > 0")
         return self
+
+    @property
+    def lossy(self) -> bool:
+        """True when the output distribution is NOT the target's (typical acceptance)."""
+        return self.acceptance == "typical"
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,11 @@ def _check_type(value: Any, kind: Any, name: str) -> Any:
         return origin(_check_type(v, item, f"{name}[{i}]") for i, v in enumerate(value))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if kind is Any or (isinstance(kind, type) and isinstance(value, kind) and not (kind is int and isinstance(value, bool))):
         return value
     raise SelfdraftError(f"config {name}: expected {getattr(kind, '__name__', kind)}, got {value!r}")

@@ -48,14 +48,14 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return len(self.blocks)
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+    def head_logits(self, k: int, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """Head k's logits (..., V) from hidden states (..., D)."""
         if hidden.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden size {hidden.shape[-1]} != the heads' {self.hidden_size}")
         if self.lm_heads is None and lm_head is None:
             raise ValueError("these heads share the target's LM head: pass it as lm_head")
-        out = []
-        for k, blocks in enumerate(self.blocks):
-            features = blocks(hidden)  # (..., D)
-            project = self.lm_heads[k] if self.lm_heads is not None else lm_head
-            out.append(project(features))  # (..., V)
-        return torch.stack(out)  # (K, ..., V)
+        features = self.blocks[k](hidden)  # (..., D)
+        return (self.lm_heads[k] if self.lm_heads is not None else lm_head)(features)
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        return torch.stack([self.head_logits(k, hidden, lm_head) for k in range(self.num_heads)])  # (K, ..., V)

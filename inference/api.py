@@ -81,6 +81,8 @@ def generate(
     top_p: float = DecodeConfig.top_p,
     seed: int | None = DecodeConfig.seed,
     stop_on_eos: bool = DecodeConfig.stop_on_eos,
+    acceptance: str = DecodeConfig.acceptance,
+    medusa_nodes: int | None = None,
     dtype: str = "float32",
     device: str = "cpu",
     prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
@@ -92,9 +94,12 @@ def generate(
     spec for :func:`~selfdraft.heads.target.load_target` (loaded with ``dtype`` and ``device``).
     ``drafter`` is a :class:`Drafter` or a spec: ``none``, ``prompt-lookup``, ``draft-model:SPEC``.
     Give either ``prompt`` (text; ``chat`` wraps it as a user turn) or ``input_ids``.
+    ``acceptance="typical"`` is Medusa's LOSSY typical acceptance (sampling only). ``medusa_nodes``
+    rebuilds an exported Medusa drafter's sparse tree for that node budget from its stored accuracies.
     """
     config = DecodeConfig(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_on_eos=stop_on_eos
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        stop_on_eos=stop_on_eos, acceptance=acceptance,
     ).validate()
     if isinstance(target, str):
         from selfdraft.heads.target import load_target
@@ -103,7 +108,7 @@ def generate(
     if (prompt is None) == (input_ids is None):
         raise SelfdraftError("give exactly one of prompt (text) or input_ids")
     ids = list(input_ids) if input_ids is not None else encode_prompt(target.tokenizer, prompt, chat)
-    drafter = make_drafter(drafter, target, prompt_lookup=prompt_lookup, draft_model=draft_model)
+    drafter = make_drafter(drafter, target, prompt_lookup=prompt_lookup, draft_model=draft_model, medusa_nodes=medusa_nodes)
 
     session = CausalLMSession(target.model, hidden_layers=drafter.hidden_layers)
     out = speculative_decode(
@@ -128,5 +133,6 @@ def generate(
         draft_seconds=stats.draft_seconds,
         stop_reason=out.stop_reason,
         drafter=drafter.name,
-        decode={"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed},
+        decode={"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
+                "acceptance": acceptance, "lossy": config.lossy},
     )

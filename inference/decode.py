@@ -20,7 +20,7 @@ from selfdraft.errors import SelfdraftError
 from selfdraft.inference.drafters import Drafter, Verified
 from selfdraft.inference.session import TargetSession
 from selfdraft.inference.tree import DraftTree, build_tree_buffers
-from selfdraft.inference.verify import choose_token, greedy_verify, sample_verify, target_probs
+from selfdraft.inference.verify import choose_token, greedy_verify, sample_verify, target_probs, typical_verify
 
 SampleRule = Callable[[torch.Tensor, torch.Tensor, object, torch.Generator], tuple[list[int], int]]
 
@@ -119,7 +119,11 @@ def speculative_decode(
             accepted, bonus = greedy_verify(out.logits, tree.tokens, buffers)
         else:
             probs = target_probs(out.logits, config.temperature, config.top_k, config.top_p)
-            accepted, bonus = sample_rule(probs, tree.tokens, buffers, generator)
+            if config.lossy:
+                accepted, bonus = typical_verify(probs, tree.tokens, buffers, generator,
+                                                 config.typical_epsilon, config.typical_delta)
+            else:
+                accepted, bonus = sample_rule(probs, tree.tokens, buffers, generator)
         keep = [0] + accepted
         session.commit(keep)
 

@@ -199,6 +199,7 @@ def make_drafter(
     *,
     prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
     draft_model: DraftModelConfig = DraftModelConfig(),
+    medusa_nodes: int | None = None,
 ) -> Drafter:
     """Build a drafter from its CLI spec: ``none``, ``prompt-lookup``, ``draft-model:SPEC`` (SPEC as
     for :func:`selfdraft.heads.target.load_target`, loaded with the target's dtype and device), or
@@ -219,7 +220,7 @@ def make_drafter(
     if is_drafter_folder(spec):
         from selfdraft.inference.medusa import drafter_from_folder
 
-        return drafter_from_folder(spec, target)
+        return drafter_from_folder(spec, target, tree_nodes=medusa_nodes)
     raise SelfdraftError(
         f"unknown drafter {spec!r}; choose one of: {', '.join(DRAFTER_KINDS)}"
     )

@@ -87,7 +87,11 @@ class MedusaDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, sequence):
-        logits = self.heads(hidden[None], self.lm_head)[:, 0, : self.vocab_size]  # (K, V)
+        if self.heads.lm_heads is None:  # one (K, D) x (D, V) product reads the shared LM head once
+            features = torch.stack([blocks(hidden) for blocks in self.heads.blocks])  # (K, D)
+            logits = self.lm_head(features)[:, : self.vocab_size]  # (K, V)
+        else:
+            logits = self.heads(hidden[None], self.lm_head)[:, 0, : self.vocab_size]  # (K, V)
         top = [torch.topk(logits[d], r).indices.tolist() if r else [] for d, r in enumerate(self.depth_ranks)]
         tokens = torch.tensor([top[len(c) - 1][c[-1]] for c in self.choices], dtype=torch.long)
         return DraftTree(tokens, self.parents), hidden
@@ -96,11 +100,19 @@ class MedusaDrafter(Drafter):
         return verified.hidden[0][-1]
 
 
-def drafter_from_folder(folder, target) -> MedusaDrafter:
-    """A Medusa drafter from an exported folder, refused unless it was trained for ``target``."""
+def drafter_from_folder(folder, target, tree_nodes: int | None = None) -> MedusaDrafter:
+    """A Medusa drafter from an exported folder, refused unless it was trained for ``target``.
+
+    It decodes with the tree stored in the folder, or with ``tree_nodes`` set, a sparse tree of that
+    many nodes rebuilt from the per-head rank accuracies that training measured and stored."""
     from selfdraft.heads.io import load_drafter
 
     heads, record = load_drafter(folder, target.identity)
     if record.kind != "medusa":
         raise SelfdraftError(f"{folder} holds a {record.kind} drafter; this selfdraft decodes medusa folders")
-    return MedusaDrafter(heads, target.model, record.decode.get("choices", CPU_CHOICES))
+    choices = record.decode.get("choices", CPU_CHOICES)
+    if tree_nodes is not None:
+        if "rank_accuracy" not in record.decode:
+            raise SelfdraftError(f"{folder} stores no measured accuracies to build a {tree_nodes}-node tree from")
+        choices = sparse_tree(torch.tensor(record.decode["rank_accuracy"]), tree_nodes)
+    return MedusaDrafter(heads, target.model, choices)

@@ -101,6 +101,33 @@ def sample_verify(
         node = chosen
 
 
+def typical_verify(
+    probs: torch.Tensor, tokens: torch.Tensor, buffers: TreeBuffers, generator: torch.Generator,
+    epsilon: float, delta: float,
+) -> tuple[list[int], int]:
+    """Medusa's typical acceptance: LOSSY, the output no longer follows the target's distribution.
+
+    A draft token x below a node with target distribution p is plausible when
+    p(x) > min(epsilon, delta * exp(-H(p))). Takes the longest path of plausible tokens (first path
+    on ties) and samples the bonus token from p at its end. probs: (M, V) float64.
+    """
+    entropy = -(probs * torch.log(probs.clamp(min=1e-30))).sum(-1)  # (M,)
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))  # (M,)
+    if buffers.size > 1:
+        parent = buffers.parent.clamp(min=0)  # (M,)
+        node_tokens = torch.cat([tokens.new_zeros(1), tokens])  # (M,)
+        ok = probs[parent, node_tokens] > threshold[parent]  # (M,)
+        paths = buffers.paths  # (P, L)
+        on_path = ok[paths.clamp(min=0)] & (paths >= 0)
+        accepted_len = on_path[:, 1:].long().cumprod(dim=1).sum(dim=1)  # (P,)
+        best = int(accepted_len.argmax())
+        path = paths[best].tolist()[: int(accepted_len[best]) + 1]
+    else:
+        path = [0]
+    bonus = int(torch.multinomial(probs[path[-1]], 1, generator=generator))
+    return path[1:], bonus
+
+
 def choose_token(logits: torch.Tensor, config: DecodeConfig, generator: torch.Generator | None) -> int:
     """One token from a single row of logits (V,): the argmax, or a sample from the target's distribution."""
     if config.greedy:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from selfdraft.errors import SelfdraftError
@@ -41,6 +42,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default: %(default)s)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
+    p.add_argument("--typical-acceptance", action="store_true",
+                   help="LOSSY: Medusa's typical acceptance (sampling only); accepts more draft tokens but the "
+                   "output no longer follows the target's distribution")
     g = p.add_argument_group("prompt lookup")
     g.add_argument("--lookup-max-ngram", type=_positive_int, default=PromptLookupConfig.max_ngram)
     g.add_argument("--lookup-tokens", type=_positive_int, default=PromptLookupConfig.num_tokens, help="draft tokens per match")
@@ -49,6 +53,10 @@ def _add_generate(sub) -> None:
     g.add_argument("--draft-depth", type=_positive_int, default=DraftModelConfig.depth)
     g.add_argument("--draft-top-k", type=_positive_int, default=DraftModelConfig.top_k, help="1 drafts a chain")
     g.add_argument("--tree-nodes", type=_positive_int, default=DraftModelConfig.max_nodes, help="draft token budget per step")
+    g = p.add_argument_group("trained drafter folder")
+    g.add_argument("--medusa-nodes", type=_positive_int, default=None,
+                   help="rebuild the Medusa sparse tree for this node budget from the accuracies stored with the drafter "
+                   "(default: the stored tree)")
     p.set_defaults(func=_run_generate)
 
 
@@ -69,6 +77,8 @@ def _run_generate(args) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        acceptance="typical" if args.typical_acceptance else "exact",
+        medusa_nodes=args.medusa_nodes,
         prompt_lookup=PromptLookupConfig(
             max_ngram=args.lookup_max_ngram,
             min_ngram=1,
@@ -82,8 +92,9 @@ def _run_generate(args) -> int:
         print(json.dumps(result.to_dict()))
     else:
         print(result.text)
+        lossy = " [LOSSY: typical acceptance, not the target's distribution]" if result.decode["lossy"] else ""
         print(
-            f"[{result.drafter}] {result.new_tokens} tokens, {result.target_forwards} target forwards, "
+            f"[{result.drafter}]{lossy} {result.new_tokens} tokens, {result.target_forwards} target forwards, "
             f"acceptance length {result.acceptance_length:.2f}, {result.tokens_per_second:.1f} tokens/s",
             file=sys.stderr,
         )
@@ -91,9 +102,9 @@ def _run_generate(args) -> int:
 
 
 def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="write a drafter in a serving engine's layout (vLLM's MedusaModel)")
-    p.add_argument("drafter", help="an exported selfdraft drafter folder (config.json + model.safetensors)")
-    p.add_argument("--format", required=True, choices=["vllm"], help="target layout")
+    p = sub.add_parser("export", help="write a trained drafter in selfdraft's native layout or a serving engine's (vLLM's MedusaModel)")
+    p.add_argument("drafter", help="a training run folder (its drafter/, else its latest checkpoint) or a native drafter folder")
+    p.add_argument("--format", required=True, choices=["native", "vllm"], help="target layout")
     p.add_argument("--out", required=True, help="folder to write (replaced atomically)")
     p.add_argument("--target", default=None, help="target spec, needed when the heads share its LM head (default: the recorded target)")
     p.set_defaults(func=_run_export)
@@ -101,9 +112,19 @@ def _add_export(sub) -> None:
 
 def _run_export(args) -> int:
     from selfdraft.heads.formats import export_vllm_medusa
-    from selfdraft.heads.io import load_drafter, read_record
+    from selfdraft.heads.io import is_drafter_folder, load_drafter, read_record
     from selfdraft.heads.target import load_target
 
+    if not is_drafter_folder(args.drafter):
+        from selfdraft.train.export import export_run
+
+        source = export_run(args.drafter, args.out if args.format == "native" else None)
+        if args.format == "native":
+            print(f"wrote the native drafter of run {args.drafter} to {source}")
+            return 0
+        args.drafter = str(source)
+    elif args.format == "native":
+        raise SelfdraftError(f"{args.drafter} is already a native drafter folder")
     record = read_record(args.drafter)
     lm_head = None
     if record.kind == "medusa" and not record.dims["own_lm_head"]:
@@ -117,6 +138,61 @@ def _run_export(args) -> int:
     return 0
 
 
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a drafter (one process; use `accelerate launch -m selfdraft.train` for several)",
+                       description="Train a drafter on a frozen target with the run config; same loop as "
+                       "`accelerate launch -m selfdraft.train`.")
+    p.add_argument("--config", required=True, help="a YAML file or a preset name from configs/ (e.g. smoke_cpu, medusa_smollm2)")
+    p.add_argument("--resume", action="store_true", help="continue the run in train.output_dir from its latest checkpoint")
+    p.add_argument("--resume-from", default=None, metavar="CHECKPOINT", help="continue from this checkpoint folder instead")
+    p.add_argument("overrides", nargs="*", help="dotted overrides: train.lr=3e-4 data.max_length=256 ...")
+    p.set_defaults(func=_run_train)
+
+
+def _run_train(args) -> int:
+    from selfdraft.configs.run import load_run_config
+    from selfdraft.train.loop import train
+
+    result = train(load_run_config(args.config, args.overrides), resume=args.resume_from or args.resume)
+    if result.drafter_dir is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(f"done: {result.step} steps, {result.train_tokens_per_second:.0f} training tokens/s; drafter in {result.drafter_dir}")
+    return 0
+
+
+def _add_distill(sub) -> None:
+    from selfdraft.train.distill import DistillConfig
+
+    d = DistillConfig()
+    p = sub.add_parser("distill", help="regenerate a dataset's assistant turns with the target (self-distillation)",
+                       description="Regenerate the assistant turns of a conversation source with the target, into "
+                       "sharded JSONL that a training run reads as data.source. Rerun to resume.")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--source", default="sharegpt-embedded", help="sharegpt-embedded, a .json/.jsonl file or a dataset folder")
+    p.add_argument("--out", required=True, help="output folder of shard-*.jsonl")
+    p.add_argument("--max-conversations", type=_positive_int, default=None)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens)
+    p.add_argument("--max-turns", type=_positive_int, default=d.max_turns)
+    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size)
+    p.add_argument("--shard-size", type=_positive_int, default=d.shard_size)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0: greedy answers")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=_run_distill)
+
+
+def _run_distill(args) -> int:
+    from selfdraft.configs.schema import DataConfig
+    from selfdraft.heads.target import load_target
+    from selfdraft.train.distill import DistillConfig, distill
+
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    out = distill(target, DataConfig(source=args.source, max_conversations=args.max_conversations), args.out,
+                  DistillConfig(max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, batch_size=args.batch_size,
+                                shard_size=args.shard_size, temperature=args.temperature))
+    print(f"wrote self-distilled conversations to {out} (use it as data.source={out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from selfdraft import __version__
 
@@ -124,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"selfdraft {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_train(sub)
+    _add_distill(sub)
     _add_export(sub)
     return parser
 

@@ -94,7 +94,7 @@ def iter_conversations(config: DataConfig, stats: ReadStats | None = None) -> It
     these are counted in ``stats``. At most ``config.max_conversations`` conversations are yielded, and reading stops
     as soon as that many have been found.
 
-    Sources: ``"sharegpt-embedded"``; a ``.json`` file holding a list of records or a ``.jsonl``
+    Sources: ``"sharegpt-embedded"``; a folder of ``shard-*.jsonl`` files (``selfdraft distill``); a ``.json`` file holding a list of records or a ``.jsonl``
     file with one record per line (detected from the first character, not the extension); a folder
     saved with ``datasets.Dataset.save_to_disk`` with a ``conversations`` or ``messages`` column.
     The layout (``config.format``) is ShareGPT (``{"conversations": [{"from", "value"}]}``) or
@@ -114,7 +114,9 @@ def iter_conversations(config: DataConfig, stats: ReadStats | None = None) -> It
         records = _iter_json_records(where, tolerate_truncated_tail=True, stats=stats)
     else:
         where = pathlib.Path(config.source).expanduser()
-        if where.is_dir():
+        if where.is_dir() and sorted(where.glob("shard-*.jsonl")):
+            records = _iter_shards(sorted(where.glob("shard-*.jsonl")), stats)
+        elif where.is_dir():
             records = _iter_dataset_folder(where)
         elif where.is_file():
             records = _iter_json_records(where, tolerate_truncated_tail=False, stats=stats)
@@ -207,6 +209,15 @@ def _iter_json_records(path: pathlib.Path, *, tolerate_truncated_tail: bool,
             pos = end
             if pos > _CHUNK_CHARS:
                 refill(0)
+
+
+def _iter_shards(shards: list[pathlib.Path], stats: ReadStats) -> Iterator[tuple[int, Any]]:
+    """Records of ``shard-*.jsonl`` files in name order (a ``selfdraft distill`` output folder)."""
+    index = 0
+    for shard in shards:
+        for _, record in _iter_json_records(shard, tolerate_truncated_tail=False, stats=stats):
+            yield index, record
+            index += 1
 
 
 def _iter_dataset_folder(folder: pathlib.Path) -> Iterator[tuple[int, Any]]:

@@ -1,0 +1,178 @@
+"""The training run config: one YAML file with ``target``, ``data``, ``drafter`` and ``train`` sections.
+
+Load it with :func:`load_run_config` (a preset name from this folder or a path, plus ``a.b=value``
+overrides). Every key is checked: an unknown key or a value of the wrong type is an error naming the
+dotted key. The resolved config (``to_dict``) is saved next to every checkpoint and export.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+from selfdraft.configs.schema import DataConfig, apply_overrides, from_dict, load_yaml
+from selfdraft.errors import SelfdraftError
+
+PRESET_DIR = pathlib.Path(__file__).resolve().parent
+"""Where the shipped YAML presets live (``configs/`` in the repository)."""
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """The frozen target the drafter is trained for."""
+
+    spec: str = "smollm2-135m"
+    """Built-in name, local HF model folder or hub name (see ``selfdraft.heads.target``)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype the target's weights are held in during training (the heads train in fp32)."""
+    trust_remote_code: bool = False
+    """Run model code shipped with a folder or hub model; off unless you trust its author."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Medusa-2: joint training of the heads and LoRA adapters on the target (rank 0 = Medusa-1).
+
+    With LoRA the target changes: the LoRA-merged model that the run exports is the target whose
+    distribution the decoder preserves, not the original model.
+    """
+
+    rank: int = 0
+    """LoRA rank; 0 keeps the target frozen (Medusa-1)."""
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Linear layers of the target that get adapters (names as in the model)."""
+    lm_loss: Literal["kl", "ce"] = "kl"
+    """The target's own loss in the combined objective: KL to the original (adapter-free) model's
+    next-token distribution (keeps its answers), or cross-entropy on the data's tokens."""
+    lm_loss_weight: float = 1.0
+    """Weight of the target's own loss next to the heads' loss."""
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    """Medusa heads: K heads of L residual blocks on the target's final hidden state."""
+
+    num_heads: int = 4
+    num_layers: int = 1
+    own_lm_head: bool = False
+    """Give every head its own vocabulary projection (K x V x D more weights) instead of the target's."""
+    labels: Literal["target", "data"] = "target"
+    """What head k at position t learns: the target's own distribution for token t+2+k (self-distilled
+    soft labels, computed on the fly) or the data's token t+2+k (the Medusa paper's hard labels)."""
+    position_fraction: float = 1.0
+    """Share of eligible positions per head (drawn at random each step) that enter the training loss.
+    Below 1 it trades positions per sequence for sequences per second where the vocabulary projection
+    dominates the cost (a CPU); evaluation always uses every position."""
+    head_decay: float = 0.8
+    """Loss weight of head k is head_decay**k (later heads are harder and matter less)."""
+    tree_nodes: int = 16
+    """Node budget of the sparse tree built from the measured per-head accuracies at export."""
+    tree_ranks: int = 10
+    """Top-ranks measured per head for the sparse tree (accuracy of rank r for r < tree_ranks)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    kind: Literal["medusa"] = "medusa"
+    """Which drafter to train (EAGLE kinds come next)."""
+    medusa: MedusaConfig = field(default_factory=MedusaConfig)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The optimisation: steps, batches, schedule, evaluation, checkpoints and logging."""
+
+    output_dir: str = "runs/medusa-smollm2"
+    """Run folder: resolved config, checkpoints/, drafter/ (the native export), metrics.jsonl."""
+    max_steps: int = 1000
+    """Optimizer steps."""
+    micro_batch_size: int = 4
+    """Conversations per forward pass per process."""
+    grad_accum: int = 1
+    """Micro batches per optimizer step (global batch = micro_batch_size x grad_accum x processes)."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 20
+    """Linear warm-up from 0 to lr, then cosine decay to min_lr_ratio x lr at max_steps."""
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables it."""
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """Autocast through accelerate (bf16 only helps where the hardware has bf16 matmuls)."""
+    seed: int = 0
+    """Seeds the data order, the head initialisation and every RNG."""
+    eval_every: int = 100
+    """Evaluate on the held-out split every this many steps (and at the end); 0 only at the end."""
+    eval_batches: int = 16
+    """Micro batches per process per evaluation; 0 for the whole held-out split."""
+    top_k: int = 5
+    """Top-k accuracy reported next to top-1."""
+    save_every: int = 100
+    """Write a checkpoint every this many steps (and at the end); 0 only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept; older ones are deleted once a newer one is complete."""
+    log_every: int = 10
+    report_to: Literal["none", "wandb"] = "none"
+    """Tracker for metrics through accelerate: wandb (offline by default) or none."""
+    wandb_project: str = "selfdraft"
+    wandb_mode: Literal["offline", "online"] = "offline"
+    num_threads: int = 0
+    """torch CPU threads per process; 0 leaves torch's default."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "medusa-smollm2"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> RunConfig:
+        t, m = self.train, self.drafter.medusa
+        checks = [
+            (t.max_steps >= 1, "train.max_steps must be >= 1"),
+            (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
+            (t.grad_accum >= 1, "train.grad_accum must be >= 1"),
+            (t.lr > 0, "train.lr must be > 0"),
+            (len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas must be two numbers in [0, 1)"),
+            (t.warmup_steps >= 0, "train.warmup_steps must be >= 0"),
+            (0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]"),
+            (t.max_grad_norm >= 0, "train.max_grad_norm must be >= 0"),
+            (min(t.eval_every, t.eval_batches, t.save_every, t.num_threads) >= 0, "train.eval_every, eval_batches, save_every and num_threads must be >= 0"),
+            (t.keep_last >= 1, "train.keep_last must be >= 1"),
+            (t.log_every >= 1, "train.log_every must be >= 1"),
+            (t.top_k >= 1, "train.top_k must be >= 1"),
+            (m.num_heads >= 1 and m.num_layers >= 0, "drafter.medusa needs num_heads >= 1 and num_layers >= 0"),
+            (0 < m.position_fraction <= 1, "drafter.medusa.position_fraction must be in (0, 1]"),
+            (0 < m.head_decay <= 1, "drafter.medusa.head_decay must be in (0, 1]"),
+            (m.tree_nodes >= 1 and m.tree_ranks >= 1, "drafter.medusa.tree_nodes and tree_ranks must be >= 1"),
+            (m.lora.rank >= 0 and m.lora.lm_loss_weight >= 0, "drafter.medusa.lora.rank and lm_loss_weight must be >= 0"),
+            (self.data.max_length >= 4, "data.max_length must be >= 4"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SelfdraftError(f"config: {message}")
+        return self
+
+
+def presets() -> dict[str, pathlib.Path]:
+    """Shipped run presets by name (the YAML files in ``configs/``)."""
+    return {p.stem: p for p in sorted(PRESET_DIR.glob("*.yaml"))}
+
+
+def load_run_config(config: str | pathlib.Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a preset name or YAML path, apply ``a.b=value`` overrides and validate the result."""
+    data: dict = {}
+    if config is not None:
+        path = pathlib.Path(config)
+        if not path.exists() and str(config) in presets():
+            path = presets()[str(config)]
+        data = load_yaml(path)
+    data = apply_overrides(data, list(overrides))
+    return from_dict(RunConfig, data).validate()

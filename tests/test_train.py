@@ -1,0 +1,216 @@
+"""The training stack on a tiny random Llama with SmolLM2's real tokenizer and chat template:
+presets, a train step, exact resume, NaN stop, export from a run, DDP and DeepSpeed on CPU, Medusa-2."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from selfdraft.configs.run import load_run_config, presets
+from selfdraft.errors import SelfdraftError
+from selfdraft.heads.io import load_drafter, read_weights
+from selfdraft.train import checkpoint as ckpt
+from selfdraft.train.loop import TrainingDiverged, train
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(embedded_fp32, tmp_path_factory):
+    """A 2-layer random Llama (hidden 32) with the embedded target's tokenizer, as an HF folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok = embedded_fp32.tokenizer
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = LlamaForCausalLM(cfg)
+    folder = tmp_path_factory.mktemp("tiny-target")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def tiny_config(tiny_target, out, *overrides):
+    return load_run_config("smoke_cpu", [
+        f"target.spec={tiny_target}", f"train.output_dir={out}", "data.max_conversations=24", "data.max_length=64",
+        "data.eval_fraction=0.2", "train.micro_batch_size=2", "train.grad_accum=1", "train.max_steps=4",
+        "train.eval_every=2", "train.eval_batches=2", "train.save_every=2", "train.log_every=1", *overrides])
+
+
+def test_every_preset_loads_and_an_unknown_key_is_named():
+    names = presets()
+    assert {"smoke_cpu", "medusa_smollm2", "medusa2_smollm2"} <= set(names)
+    for name in names:
+        config = load_run_config(name)
+        assert config.train.max_steps >= 1
+    with pytest.raises(SelfdraftError, match=r"unknown config key train\.learning_rate"):
+        load_run_config("smoke_cpu", ["train.learning_rate=1e-3"])
+    with pytest.raises(SelfdraftError, match=r"drafter\.medusa\.num_heads"):
+        load_run_config("smoke_cpu", ["drafter.medusa.num_heads=two"])
+    with pytest.raises(SelfdraftError, match="unknown config key drafter.medusa.lora.rnak"):
+        load_run_config("medusa2_smollm2", ["drafter.medusa.lora.rnak=4"])
+    for accel in (REPO / "configs" / "accelerate").glob("*.yaml"):
+        import yaml
+
+        assert yaml.safe_load(accel.read_text())["distributed_type"] in {"MULTI_GPU", "DEEPSPEED", "FSDP"}
+
+
+def test_a_run_moves_the_heads_and_leaves_the_target_bit_identical(tiny_target, tmp_path):
+    result = train(tiny_config(tiny_target, tmp_path / "run"))
+    original = read_weights(tiny_target / "model.safetensors")
+    trained = result.objective.target.state_dict()
+    assert original and all(torch.equal(trained[name], tensor) for name, tensor in original.items())
+    heads = result.objective.heads
+    assert all(float(block[0].linear.weight.detach().abs().max()) > 0 for block in heads.blocks)  # moved from zero
+    # Run folder: resolved config, metrics, last two checkpoints, the export with a measured tree.
+    run = tmp_path / "run"
+    assert (run / "config.yaml").is_file()
+    assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == ["step-00000002", "step-00000004"]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/top1/head0" in line for line in lines) and any("train/loss" in line for line in lines)
+    record = json.loads((run / "drafter" / "config.json").read_text())
+    assert record["run_config"]["train"]["max_steps"] == 4
+    assert len(record["decode"]["choices"]) == 8 and len(record["decode"]["rank_accuracy"]) == 3
+
+
+def test_resume_continues_exactly(tiny_target, tmp_path):
+    full = train(tiny_config(tiny_target, tmp_path / "full", "train.max_steps=6"))
+    with pytest.raises(SelfdraftError, match="already holds checkpoints"):
+        train(tiny_config(tiny_target, tmp_path / "full", "train.max_steps=6"))
+    first = train(tiny_config(tiny_target, tmp_path / "cut", "train.max_steps=6"), stop_after=3)
+    assert first.drafter_dir is None and ckpt.latest_checkpoint(tmp_path / "cut" / "checkpoints").name == "step-00000003"
+    with pytest.raises(SelfdraftError, match="train.lr changed"):
+        train(tiny_config(tiny_target, tmp_path / "cut", "train.max_steps=6", "train.lr=0.5"), resume=True)
+    resumed = train(tiny_config(tiny_target, tmp_path / "cut", "train.max_steps=6"), resume=True)
+    a, b = full.objective.trainable_state_dict(), resumed.objective.trainable_state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and max(steps) == 6
+
+
+def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_target, tmp_path, monkeypatch):
+    from selfdraft.train.objectives import MedusaObjective
+
+    forward, calls = MedusaObjective.forward, []
+
+    def poisoned(self, *args, **kwargs):  # the 3rd training batch gives a NaN loss
+        loss, stats = forward(self, *args, **kwargs)
+        calls.append(self.training)
+        return (loss * float("nan") if sum(calls) == 3 and self.training else loss), stats
+
+    monkeypatch.setattr(MedusaObjective, "forward", poisoned)
+    config = tiny_config(tiny_target, tmp_path / "run", "train.save_every=1", "train.eval_every=0", "train.max_steps=6")
+    with pytest.raises(TrainingDiverged, match="loss became nan at step 3") as info:
+        train(config)
+    kept = ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")
+    assert [p.name for p in kept] == ["step-00000001", "step-00000002"] and str(kept[-1]) in str(info.value)
+    state = ckpt.load_tree(kept[-1], "trainable")
+    assert all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_export_from_a_run_and_from_an_interrupted_run(tiny_target, tmp_path):
+    from selfdraft.cli import main
+    from selfdraft.heads.formats import import_vllm_medusa
+
+    train(tiny_config(tiny_target, tmp_path / "cut"), stop_after=2)
+    assert main(["export", str(tmp_path / "cut"), "--format", "vllm", "--out", str(tmp_path / "vllm")]) == 0
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert config["architectures"] == ["MedusaModel"] and config["num_heads"] == 3
+    heads, lm_head = import_vllm_medusa(tmp_path / "vllm")
+    drafter, _ = load_drafter(tmp_path / "cut" / "drafter")
+    for k in range(3):
+        torch.testing.assert_close(heads.blocks[k][0].linear.weight, drafter.blocks[k][0].linear.weight)
+    assert main(["export", str(tmp_path / "cut"), "--format", "native", "--out", str(tmp_path / "native")]) == 0
+    assert (tmp_path / "native" / "model.safetensors").is_file()
+    assert main(["export", str(tmp_path / "nothing"), "--format", "vllm", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_trained_drafter_decodes_exactly_through_the_cli(tiny_target, tmp_path, capsys):
+    from selfdraft.cli import main
+
+    train(tiny_config(tiny_target, tmp_path / "run"))
+    capsys.readouterr()
+    runs = {}
+    for drafter in ("none", str(tmp_path / "run" / "drafter")):
+        assert main(["generate", "--target", str(tiny_target), "--drafter", drafter, "--prompt", "Tell me a story",
+                     "--chat", "--max-new-tokens", "24", "--json"]) == 0
+        runs[drafter] = json.loads(capsys.readouterr().out)
+    assert runs[str(tmp_path / "run" / "drafter")]["token_ids"] == runs["none"]["token_ids"]
+    assert main(["generate", "--target", str(tiny_target), "--drafter", str(tmp_path / "run" / "drafter"), "--prompt", "Hi",
+                 "--medusa-nodes", "4", "--temperature", "0.8", "--seed", "1", "--typical-acceptance",
+                 "--max-new-tokens", "8"]) == 0
+    assert "LOSSY" in capsys.readouterr().err
+
+
+def test_medusa2_trains_lora_and_exports_the_merged_target(tiny_target, tmp_path):
+    from selfdraft.inference.api import generate
+    from selfdraft.heads.target import load_target
+
+    result = train(tiny_config(tiny_target, tmp_path / "run", "drafter.medusa.lora.rank=4", "train.max_steps=2"))
+    lora = {n: p for n, p in result.objective.trainable_state_dict().items() if "lora_B" in n}
+    assert lora and any(float(p.abs().max()) > 0 for p in lora.values())  # B starts at zero, then moves
+    merged = tmp_path / "run" / "drafter-target"
+    record = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
+    assert record["target"]["name"] == str(merged)
+    target = load_target(str(merged))
+    a = generate(target, "Hello there", chat=True, max_new_tokens=16)
+    b = generate(target, "Hello there", chat=True, max_new_tokens=16, drafter=str(tmp_path / "run" / "drafter"))
+    assert a.token_ids == b.token_ids
+
+
+def _launch(args, env_extra, cwd):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **env_extra}
+    accelerate = shutil.which("accelerate", path=str(pathlib.Path(sys.executable).parent))
+    proc = subprocess.run([accelerate, "launch", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def _overrides(tiny_target, out):
+    return [f"target.spec={tiny_target}", f"train.output_dir={out}", "data.max_conversations=24", "data.max_length=64",
+            "data.eval_fraction=0.2", "train.micro_batch_size=1", "train.grad_accum=1", "train.max_steps=3",
+            "train.eval_every=0", "train.save_every=3", "train.num_threads=1"]
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_processes_equal_one_process_with_accumulation(tiny_target, tmp_path):
+    """2 processes x 1 sequence with synchronised gradients = 1 process accumulating 2 sequences."""
+    _launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+             "--dynamo_backend", "no", "-m", "selfdraft.train", "--config", "smoke_cpu",
+             *_overrides(tiny_target, tmp_path / "ddp")], {"ACCELERATE_USE_CPU": "true"}, tmp_path)
+    state = ckpt.read_state(ckpt.latest_checkpoint(tmp_path / "ddp" / "checkpoints"))
+    assert state["world_size"] == 2 and state["step"] == 3
+    single = train(load_run_config("smoke_cpu", [*_overrides(tiny_target, tmp_path / "one"), "train.grad_accum=2"]))
+    ddp = ckpt.load_tree(ckpt.latest_checkpoint(tmp_path / "ddp" / "checkpoints"), "trainable")
+    for name, value in single.objective.trainable_state_dict().items():
+        torch.testing.assert_close(ddp[name], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_on_cpu(tiny_target, tmp_path):
+    _launch(["--config_file", str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"), "-m", "selfdraft.train",
+             "--config", "smoke_cpu", *_overrides(tiny_target, tmp_path / "ds")], {}, tmp_path)
+    state = ckpt.read_state(ckpt.latest_checkpoint(tmp_path / "ds" / "checkpoints"))
+    assert state["world_size"] == 2 and state["sharded_optimizer"]
+    drafter, record = load_drafter(tmp_path / "ds" / "drafter")
+    single = train(load_run_config("smoke_cpu", [*_overrides(tiny_target, tmp_path / "one"), "train.grad_accum=2"]))
+    for name, value in single.objective.heads.state_dict().items():
+        torch.testing.assert_close(drafter.state_dict()[name], value, rtol=1e-4, atol=1e-5)
+    # Resume the DeepSpeed run for two more steps: the same as resuming the single-process run.
+    _launch(["--config_file", str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"), "-m", "selfdraft.train",
+             "--config", "smoke_cpu", "--resume", *_overrides(tiny_target, tmp_path / "ds"), "train.max_steps=5"], {}, tmp_path)
+    single = train(load_run_config("smoke_cpu", [*_overrides(tiny_target, tmp_path / "one"), "train.grad_accum=2",
+                                                 "train.max_steps=5"]), resume=True)
+    drafter, _ = load_drafter(tmp_path / "ds" / "drafter")
+    for name, value in single.objective.heads.state_dict().items():
+        torch.testing.assert_close(drafter.state_dict()[name], value, rtol=1e-4, atol=1e-5)

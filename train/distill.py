@@ -1,0 +1,153 @@
+"""Self-distillation: the target regenerates the assistant turns of a conversation source.
+
+Heads trained on the target's own answers learn the distribution they are verified against. The
+user (and system) turns are kept; each assistant turn is replaced by what the target generates
+after the conversation so far (with its own earlier answers as context), in batches of
+conversations, turn by turn. Output: ``OUT/shard-00000.jsonl`` ... in the ``messages`` layout, one
+conversation per line, plus ``OUT/distill.json`` (the settings and the target). Shards are written
+atomically; a rerun with the same settings skips finished shards, so an interrupted job resumes.
+Use the folder as ``data.source`` of a training run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import pathlib
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from selfdraft.configs.schema import DataConfig, to_dict
+from selfdraft.errors import SelfdraftError
+
+MANIFEST = "distill.json"
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    max_new_tokens: int = 256
+    """Tokens generated per assistant turn at most."""
+    max_turns: int = 1
+    """Assistant turns regenerated per conversation; the conversation is cut after the last one."""
+    batch_size: int = 8
+    """Conversations generated together (left-padded batch)."""
+    shard_size: int = 64
+    """Conversations per output shard (the unit of resumption)."""
+    temperature: float = 0.0
+    """0: greedy answers (what greedy decoding verifies); > 0 samples them."""
+    max_prompt_tokens: int = 1024
+    """Conversations whose context before a turn is longer stop before that turn."""
+    seed: int = 0
+
+
+def _prompts(conversations: list[list[dict]], max_turns: int) -> list[list[dict]]:
+    """Keep each conversation's turns up to (not including) its max_turns-th assistant answer."""
+    out = []
+    for messages in conversations:
+        kept, answers = [], 0
+        for m in messages:
+            if m["role"] == "assistant":
+                if answers == max_turns:
+                    break
+                answers += 1
+            kept.append(m)
+        out.append(kept)
+    return out
+
+
+@torch.inference_mode()
+def _generate(target, histories: list[list[dict]], config: DistillConfig, generator: torch.Generator) -> list[str]:
+    tok = target.tokenizer
+    texts = [tok.apply_chat_template(h, tokenize=False, add_generation_prompt=True) for h in histories]
+    old_side = tok.padding_side
+    tok.padding_side = "left"
+    try:
+        batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
+    finally:
+        tok.padding_side = old_side
+    pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+    kwargs = dict(do_sample=config.temperature > 0, max_new_tokens=config.max_new_tokens, pad_token_id=pad,
+                  eos_token_id=list(target.eos_token_ids))
+    if config.temperature > 0:
+        kwargs.update(temperature=config.temperature, top_k=0, top_p=1.0)
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=generator)))
+    out = target.model.generate(**batch, **kwargs)
+    new = out[:, batch["input_ids"].shape[1]:]
+    return [tok.decode(row, skip_special_tokens=True).strip() for row in new]
+
+
+def distill(target, data: DataConfig, out: str | os.PathLike, config: DistillConfig = DistillConfig()) -> pathlib.Path:
+    """Regenerate the assistant turns of ``data`` with ``target`` into shards under ``out``."""
+    from selfdraft.train.data import iter_conversations
+
+    if config.batch_size < 1 or config.shard_size < 1 or config.max_turns < 1 or config.max_new_tokens < 1:
+        raise SelfdraftError("distill needs batch_size, shard_size, max_turns and max_new_tokens >= 1")
+    if target.tokenizer is None or getattr(target.tokenizer, "chat_template", None) is None:
+        raise SelfdraftError(f"target {target.identity.name} has no chat template to render conversations with")
+    out = pathlib.Path(out)
+    manifest = {"target": target.identity.to_dict(), "data": to_dict(data), "distill": dataclasses.asdict(config)}
+    if (out / MANIFEST).is_file():
+        old = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+        if old != manifest:
+            changed = sorted(k for k in manifest if old.get(k) != manifest[k])
+            raise SelfdraftError(f"{out} holds a distillation with other settings ({', '.join(changed)} differ): "
+                                 "choose another output folder")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+
+    conversations = iter_conversations(data)
+    generator = torch.Generator().manual_seed(config.seed)
+    progress = tqdm(desc="distilling", unit="conv", total=data.max_conversations, disable=None)
+    for shard_index in itertools.count():
+        chunk = list(itertools.islice(conversations, config.shard_size))
+        if not chunk:
+            break
+        path = out / f"shard-{shard_index:05d}.jsonl"
+        if path.is_file():  # finished in an earlier run
+            progress.update(len(chunk))
+            continue
+        records = _distill_chunk(target, chunk, config, generator, progress)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps({"messages": r}, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+        os.replace(tmp, path)
+    progress.close()
+    if not any(out.glob("shard-*.jsonl")):
+        raise SelfdraftError(f"data source {data.source!r} gave no conversation to distill")
+    return out
+
+
+def _distill_chunk(target, chunk, config: DistillConfig, generator, progress) -> list[list[dict]]:
+    histories = _prompts(chunk, config.max_turns)
+    results: list[list[dict]] = [[] for _ in histories]
+    # Turn by turn: every conversation's context before its next assistant turn, batched.
+    cursors = [0] * len(histories)
+    while True:
+        pending = []
+        for i, h in enumerate(histories):
+            j = cursors[i]
+            while j < len(h) and h[j]["role"] != "assistant":
+                results[i].append(h[j])
+                j += 1
+            cursors[i] = j
+            if j < len(h):
+                length = len(target.tokenizer.apply_chat_template(results[i], tokenize=True, add_generation_prompt=True,
+                                                                  return_dict=False))
+                if length <= config.max_prompt_tokens:
+                    pending.append(i)
+                else:
+                    cursors[i] = len(h)
+        if not pending:
+            break
+        for b in range(0, len(pending), config.batch_size):
+            ids = pending[b:b + config.batch_size]
+            answers = _generate(target, [results[i] for i in ids], config, generator)
+            for i, answer in zip(ids, answers):
+                results[i].append({"role": "assistant", "content": answer})
+                cursors[i] += 1
+    progress.update(len(chunk))
+    return [r for r in results if any(m["role"] == "assistant" for m in r)]

@@ -1,0 +1,49 @@
+"""Export a training run: its finished ``drafter/`` folder, or a drafter built from its latest checkpoint."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+
+import torch
+
+from selfdraft.errors import SelfdraftError
+
+
+def export_run(run: str | os.PathLike, out: str | os.PathLike | None = None) -> pathlib.Path:
+    """The native drafter folder of training run ``run``; with ``out``, written (atomically) there.
+
+    A finished run has ``drafter/``; an interrupted one is exported from its latest complete
+    checkpoint, with the sparse tree of the last evaluation that checkpoint recorded.
+    """
+    from selfdraft.configs.run import RunConfig
+    from selfdraft.configs.schema import from_dict
+    from selfdraft.heads.target import load_target
+    from selfdraft.train import checkpoint as ckpt
+    from selfdraft.train.loop import export_drafter
+    from selfdraft.train.objectives import build_objective
+
+    run = pathlib.Path(run)
+    finished = run / "drafter"
+    if (finished / "config.json").is_file():
+        if out is None:
+            return finished
+        out = pathlib.Path(out)
+        work = out.parent / f".{out.name}.tmp"
+        shutil.rmtree(work, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(finished, work)
+        shutil.rmtree(out, ignore_errors=True)
+        os.rename(work, out)
+        return out
+    latest = ckpt.latest_checkpoint(run / "checkpoints")
+    if latest is None:
+        raise SelfdraftError(f"{run} is neither a drafter folder nor a training run with a drafter/ or a complete checkpoint")
+    state = ckpt.read_state(latest)
+    config = from_dict(RunConfig, state["config"]).validate()
+    target = load_target(config.target.spec, dtype=config.target.dtype, trust_remote_code=config.target.trust_remote_code)
+    objective = build_objective(config, target.model)
+    objective.load_trainable_state_dict(ckpt.load_tree(latest, "trainable"))
+    rank_acc = torch.tensor(state["rank_accuracy"]) if state.get("rank_accuracy") else None
+    return export_drafter(objective, config, target, rank_acc, pathlib.Path(out) if out is not None else run / "drafter")

@@ -1,0 +1,445 @@
+"""The one training loop, for every drafter kind, on one CPU or many GPUs through accelerate.
+
+    accelerate launch -m selfdraft.train --config configs/medusa_smollm2.yaml train.lr=3e-4
+    selfdraft train --config smoke_cpu                      # one process, same code
+
+The run folder (``train.output_dir``) receives ``config.yaml`` (the resolved config), ``data/`` (the
+rendered dataset, reused on resume), ``checkpoints/step-N/`` (the last ``keep_last``), ``metrics.jsonl``,
+and at the end ``drafter/``: the native export, with a sparse tree built from the measured accuracies.
+
+Data order is a pure function of (seed, step): global batch s takes positions [s*G, (s+1)*G) of an
+endless stream of per-epoch permutations, and process r of P takes micro batch m's slice r. A resumed
+run therefore sees exactly the batches the uninterrupted run would have seen; the optimizer,
+scheduler and RNG states come back from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from selfdraft.configs.run import RunConfig
+from selfdraft.configs.schema import to_dict
+from selfdraft.errors import SelfdraftError
+from selfdraft.train import checkpoint as ckpt
+
+# Keys whose change is allowed when resuming (they do not change what the finished run computes,
+# or only extend it).
+RESUMABLE_CHANGES = {"train.max_steps", "train.eval_every", "train.eval_batches", "train.save_every",
+                     "train.keep_last", "train.log_every", "train.report_to", "train.wandb_project",
+                     "train.wandb_mode", "train.num_threads"}
+
+
+class TrainingDiverged(SelfdraftError):
+    """The loss or the gradient norm became NaN/inf; the run stopped without saving."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    output_dir: pathlib.Path
+    step: int
+    drafter_dir: pathlib.Path | None
+    """The native export, written when the run reached max_steps."""
+    last_eval: dict[str, Any]
+    train_tokens_per_second: float
+    objective: Any = None
+    """The trained module (target + drafter), unwrapped from accelerate, on its device."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def prepare_data(config: RunConfig, tokenizer, folder: pathlib.Path, accelerator) -> tuple[list, list]:
+    """Render (or reload) the train/eval split; returns lists of (input_ids, loss_mask) int arrays."""
+    import datasets
+
+    from selfdraft.heads.target import tokenizer_fingerprint
+    from selfdraft.train.data import build_datasets
+
+    key = {"data": to_dict(config.data), "tokenizer": tokenizer_fingerprint(tokenizer)}
+    marker = folder / "fingerprint.json"
+    if accelerator.is_main_process:
+        fresh = not (marker.is_file() and json.loads(marker.read_text()) == key)
+        if fresh:
+            train_ds, eval_ds = build_datasets(config.data, tokenizer)
+            work = folder.parent / f".{folder.name}.tmp"
+            shutil.rmtree(work, ignore_errors=True)
+            train_ds.save_to_disk(str(work / "train"))
+            eval_ds.save_to_disk(str(work / "eval"))
+            (work / "fingerprint.json").write_text(json.dumps(key))
+            shutil.rmtree(folder, ignore_errors=True)
+            os.rename(work, folder)
+    accelerator.wait_for_everyone()
+
+    def load(name):
+        ds = datasets.load_from_disk(str(folder / name)).with_format("numpy")
+        return [(np.asarray(r["input_ids"], dtype=np.int64), np.asarray(r["loss_mask"], dtype=np.int64)) for r in ds]
+
+    return load("train"), load("eval")
+
+
+def batch_positions(step: int, micro: int, rank: int, *, micro_batch: int, grad_accum: int, world: int) -> range:
+    """Stream positions of process ``rank``'s micro batch ``micro`` in optimizer step ``step``."""
+    start = ((step * grad_accum + micro) * world + rank) * micro_batch
+    return range(start, start + micro_batch)
+
+
+def stream_index(position: int, n: int, seed: int, _cache: dict = {}) -> int:
+    """Example index at ``position`` of the endless stream of seeded per-epoch permutations of n."""
+    epoch, offset = divmod(position, n)
+    key = (n, seed, epoch)
+    if key not in _cache:
+        if len(_cache) > 4:
+            _cache.clear()
+        _cache[key] = np.random.default_rng([seed, epoch]).permutation(n)
+    return int(_cache[key][offset])
+
+
+def collate(examples: list[tuple[np.ndarray, np.ndarray]], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Right-pad a list of (input_ids, loss_mask) to one batch of (B, T) tensors."""
+    T = max(len(ids) for ids, _ in examples)
+    ids = np.full((len(examples), T), pad_id, dtype=np.int64)
+    attn = np.zeros((len(examples), T), dtype=np.int64)
+    mask = np.zeros((len(examples), T), dtype=np.int64)
+    for i, (x, m) in enumerate(examples):
+        ids[i, : len(x)], attn[i, : len(x)], mask[i, : len(x)] = x, 1, m
+    return {k: torch.from_numpy(v).to(device) for k, v in
+            (("input_ids", ids), ("attention_mask", attn), ("loss_mask", mask))}
+
+
+# ----------------------------------------------------------------------------------------------
+# Schedule, evaluation, export
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine from 1 to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _add_stats(total: dict | None, stats: dict) -> dict:
+    if total is None:
+        return {k: v.detach().clone() for k, v in stats.items()}
+    for k, v in stats.items():
+        total[k] = total[k] + v.detach() if k in total else v.detach().clone()
+    return total
+
+
+@torch.no_grad()
+def evaluate(objective, eval_data: list, config: RunConfig, accelerator, pad_id: int) -> tuple[dict[str, float], torch.Tensor]:
+    """Per-head loss and top-1/top-k accuracy on the held-out split, summed over processes.
+
+    Returns (metrics, rank accuracy (K, R)) where rank accuracy feeds the sparse tree."""
+    from selfdraft.train.objectives import rank_accuracy, summarise
+
+    model = objective  # the prepared (wrapped) module: DeepSpeed must run its own forward
+    was_training = model.training
+    model.eval()
+    mb, world, rank = config.train.micro_batch_size, accelerator.num_processes, accelerator.process_index
+    n_batches = math.ceil(len(eval_data) / mb)
+    mine = list(range(rank, n_batches, world))
+    if config.train.eval_batches:
+        mine = mine[: config.train.eval_batches]
+    total = None
+    for b in mine:
+        batch = collate(eval_data[b * mb:(b + 1) * mb], pad_id, accelerator.device)
+        with accelerator.autocast():
+            _, stats = model(**batch)
+        total = _add_stats(total, stats)
+    if total is None:  # this process had no batch: contribute zeros of the right shapes
+        batch = collate(eval_data[:1], pad_id, accelerator.device)
+        _, stats = model(**batch)
+        total = {k: torch.zeros_like(v) for k, v in stats.items()}
+    total = {k: accelerator.reduce(v, reduction="sum") for k, v in sorted(total.items())}
+    model.train(was_training)
+    metrics = {f"eval/{k}": v for k, v in summarise(total).items()}
+    return metrics, rank_accuracy(total)
+
+
+def export_drafter(objective, config: RunConfig, target, rank_acc: torch.Tensor | None, out: pathlib.Path) -> pathlib.Path:
+    """Write the native drafter folder (and, in Medusa-2, the LoRA-merged target next to it)."""
+    from selfdraft.heads.io import DrafterRecord, medusa_dims, save_drafter
+    from selfdraft.heads.target import TargetIdentity, tokenizer_fingerprint
+    from selfdraft.inference.medusa import CPU_CHOICES, sparse_tree
+
+    heads = objective.heads
+    identity = target.identity
+    if objective.lora:
+        merged_dir = out.parent / f"{out.name}-target"
+        merged = objective.merged_target()
+        work = out.parent / f".{merged_dir.name}.tmp"
+        shutil.rmtree(work, ignore_errors=True)
+        merged.save_pretrained(work, safe_serialization=True)
+        if target.tokenizer is not None:
+            target.tokenizer.save_pretrained(work)
+        shutil.rmtree(merged_dir, ignore_errors=True)
+        os.rename(work, merged_dir)
+        identity = dataclasses.replace(identity, name=str(merged_dir), tokenizer_hash=tokenizer_fingerprint(target.tokenizer))
+        assert isinstance(identity, TargetIdentity)
+    m = config.drafter.medusa
+    decode: dict[str, Any] = {"choices": [list(c) for c in CPU_CHOICES if len(c) <= heads.num_heads]}
+    if rank_acc is not None:
+        decode = {"choices": [list(c) for c in sparse_tree(rank_acc, m.tree_nodes)],
+                  "rank_accuracy": [[round(float(a), 6) for a in row] for row in rank_acc]}
+    record = DrafterRecord(kind="medusa", dims=medusa_dims(heads), target=identity, decode=decode,
+                           run_config=to_dict(config))
+    return save_drafter(out, heads, record)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+
+
+def _config_changes(old: dict, new: dict) -> list[str]:
+    a, b = _flatten(old), _flatten(new)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def _make_accelerator(config: RunConfig, out: pathlib.Path):
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    t = config.train
+    # Several processes without GPUs talk over gloo (DeepSpeed on CPU needs it said explicitly).
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
+    if t.report_to == "wandb":
+        os.environ.setdefault("WANDB_MODE", t.wandb_mode)
+    return Accelerator(mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum,
+                       log_with="wandb" if t.report_to == "wandb" else None, project_dir=str(out),
+                       kwargs_handlers=handlers)
+
+
+def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_after: int | None = None) -> TrainResult:
+    """Run (or resume) a training run; see the module docstring. ``stop_after`` ends the run after
+    that many optimizer steps without finishing it (as a crash would, but after a checkpoint)."""
+    from accelerate.utils import DistributedType, set_seed
+
+    from selfdraft.heads.target import load_target
+    from selfdraft.train.objectives import build_objective, summarise
+
+    t = config.train
+    out = pathlib.Path(t.output_dir)
+    ckpt_root = out / "checkpoints"
+    if t.num_threads:
+        torch.set_num_threads(t.num_threads)
+    accelerator = _make_accelerator(config, out)
+    world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
+
+    # Resume point, decided before anything is written.
+    resume_from: pathlib.Path | None = None
+    if resume:
+        resume_from = pathlib.Path(resume) if not isinstance(resume, bool) else ckpt.latest_checkpoint(ckpt_root)
+        if resume_from is None:
+            raise SelfdraftError(f"--resume: {ckpt_root} has no complete checkpoint to resume from")
+        state = ckpt.read_state(resume_from)
+        changes = [k for k in _config_changes(state["config"], to_dict(config)) if k not in RESUMABLE_CHANGES]
+        if changes:
+            raise SelfdraftError(f"cannot resume {resume_from} with a different config: {', '.join(changes)} changed")
+        if state["world_size"] != world:
+            raise SelfdraftError(f"{resume_from} was written by {state['world_size']} processes, this run has {world}; "
+                                 "resume with the same number (the data order depends on it)")
+    elif ckpt.latest_checkpoint(ckpt_root) is not None:
+        raise SelfdraftError(f"{out} already holds checkpoints: pass --resume to continue that run, "
+                             "or set train.output_dir to a new folder")
+
+    set_seed(t.seed)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False), encoding="utf-8")
+    with accelerator.main_process_first():
+        target = load_target(config.target.spec, dtype=config.target.dtype, device=str(accelerator.device),
+                             trust_remote_code=config.target.trust_remote_code)
+    if target.tokenizer is None:
+        raise SelfdraftError(f"target {config.target.spec} has no tokenizer: training needs its chat template")
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    train_data, eval_data = prepare_data(config, target.tokenizer, out / "data", accelerator)
+    if not eval_data:
+        raise SelfdraftError("the held-out split is empty: raise data.eval_fraction or give more conversations")
+
+    objective = build_objective(config, target.model)
+    objective.to(accelerator.device)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        ds = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
+        ds["gradient_clipping"] = t.max_grad_norm
+    model, optimizer = accelerator.prepare(objective, optimizer)
+    unwrapped = accelerator.unwrap_model(model)
+
+    start_step, last_eval, rank_acc = 0, {}, None
+    if resume_from is not None:
+        state = ckpt.read_state(resume_from)
+        unwrapped.load_trainable_state_dict(ckpt.load_tree(resume_from, "trainable"))
+        if state["sharded_optimizer"]:  # ZeRO: every rank reads every partition's state
+            zero = model.optimizer
+            zero.load_state_dict([ckpt.load_tree(resume_from, f"optimizer-rank{r}") for r in range(world)],
+                                 load_from_fp32_weights=True)
+        else:
+            optimizer.load_state_dict(ckpt.load_tree(resume_from, "optimizer"))
+        scheduler.load_state_dict(state["scheduler"])
+        ckpt.set_rng_state(ckpt.load_tree(resume_from, f"rng-rank{rank}"))
+        start_step, last_eval = state["step"], state.get("last_eval", {})
+        rank_acc = torch.tensor(state["rank_accuracy"]) if state.get("rank_accuracy") else None
+        if main:
+            _truncate_metrics(out / "metrics.jsonl", start_step)
+            print(f"resuming from {resume_from} at step {start_step}")
+
+    if t.report_to != "none":
+        accelerator.init_trackers(t.wandb_project, config=_flatten(to_dict(config)),
+                                  init_kwargs={"wandb": {"name": config.name, "dir": str(out), "mode": t.wandb_mode}})
+    sharded_optimizer = accelerator.distributed_type == DistributedType.DEEPSPEED
+
+    def save(step: int) -> pathlib.Path:
+        work = ckpt.staging_dir(ckpt_root, step)
+        if main:
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        trainable = unwrapped.trainable_state_dict()
+        if main:
+            ckpt.save_tree(work, "trainable", trainable)
+            if not sharded_optimizer:
+                ckpt.save_tree(work, "optimizer", optimizer.state_dict())
+        if sharded_optimizer:
+            ckpt.save_tree(work, f"optimizer-rank{rank}", _zero_state_dict(optimizer))
+        ckpt.save_tree(work, f"rng-rank{rank}", ckpt.rng_state())
+        accelerator.wait_for_everyone()
+        path = ckpt.checkpoint_dir(ckpt_root, step)
+        if main:
+            path = ckpt.publish(ckpt_root, step, {
+                "step": step, "world_size": world, "sharded_optimizer": sharded_optimizer,
+                "scheduler": scheduler.state_dict(), "last_eval": last_eval,
+                "rank_accuracy": rank_acc.tolist() if rank_acc is not None else None,
+                "config": to_dict(config)}, t.keep_last)
+        accelerator.wait_for_everyone()
+        return path
+
+    progress = tqdm(total=t.max_steps, initial=start_step, desc=f"training {config.name}", unit="step",
+                    disable=not main or None)
+    model.train()
+    tokens_done, time_spent = 0, 0.0
+    window, window_steps = None, 0
+    end = t.max_steps if stop_after is None else min(t.max_steps, stop_after)
+    step = start_step
+    for step in range(start_step, end):
+        began = time.perf_counter()
+        step_tokens = torch.zeros((), device=accelerator.device)
+        step_stats = None
+        for micro in range(t.grad_accum):
+            positions = batch_positions(step, micro, rank, micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, world=world)
+            batch = collate([train_data[stream_index(p, len(train_data), t.seed)] for p in positions], pad_id, accelerator.device)
+            with accelerator.accumulate(model), accelerator.autocast():
+                loss, stats = model(**batch)
+                finite = accelerator.reduce(torch.isfinite(loss.detach()).float().reshape(1), reduction="sum")
+                if float(finite) < world:
+                    last = ckpt.latest_checkpoint(ckpt_root)
+                    raise TrainingDiverged(
+                        f"the loss became {float(loss.detach())} at step {step + 1} (micro batch {micro}); stopped without "
+                        f"saving. Last good checkpoint: {last or 'none yet'}. Lower train.lr or check the data.")
+                accelerator.backward(loss)
+                grad_norm = None
+                if accelerator.sync_gradients and t.max_grad_norm > 0:
+                    grad_norm = accelerator.clip_grad_norm_(params if accelerator.distributed_type != DistributedType.DEEPSPEED
+                                                            else model.parameters(), t.max_grad_norm)
+                if grad_norm is not None and not math.isfinite(float(grad_norm)):
+                    raise TrainingDiverged(f"the gradient norm became {float(grad_norm)} at step {step + 1}; stopped "
+                                           f"without saving. Last good checkpoint: {ckpt.latest_checkpoint(ckpt_root) or 'none yet'}")
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            step_tokens += batch["attention_mask"].sum()
+            step_stats = _add_stats(step_stats, {**stats, "loss": loss.detach().float().reshape(1)})
+        scheduler.step()
+        done = step + 1
+        step_tokens = float(accelerator.reduce(step_tokens, reduction="sum"))
+        tokens_done += step_tokens
+        time_spent += time.perf_counter() - began
+        window, window_steps = _add_stats(window, step_stats), window_steps + 1
+        progress.update(1)
+        if done % t.log_every == 0 or done == end:
+            window = {k: accelerator.reduce(v, reduction="sum") for k, v in sorted(window.items())}
+            metrics = {"train/loss": float(window["loss"].sum()) / (t.grad_accum * world * window_steps),
+                       **{f"train/{k}": v for k, v in summarise(window).items()},
+                       "lr": scheduler.get_last_lr()[0], "tokens_per_second": tokens_done / max(time_spent, 1e-9)}
+            if grad_norm is not None:
+                metrics["grad_norm"] = float(grad_norm)
+            window, window_steps = None, 0
+            progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", top1=f"{metrics.get('train/top1/head0', 0):.2f}")
+            _log(accelerator, out, done, metrics, t.report_to != "none")
+        if (t.eval_every and done % t.eval_every == 0) or done == t.max_steps:
+            last_eval, rank_acc = evaluate(model, eval_data, config, accelerator, pad_id)
+            _log(accelerator, out, done, last_eval, t.report_to != "none")
+            if main:
+                progress.write(f"step {done}: " + ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in last_eval.items()
+                                                           if "top1" in k or "loss" in k))
+        if (t.save_every and done % t.save_every == 0) or done == end:
+            save(done)
+    progress.close()
+
+    drafter_dir = None
+    finished = end == t.max_steps
+    if finished and main:
+        drafter_dir = export_drafter(unwrapped, config, target, rank_acc, out / "drafter")
+        print(f"wrote the drafter to {drafter_dir}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return TrainResult(output_dir=out, step=end if end > start_step else start_step,
+                       drafter_dir=out / "drafter" if finished else None, last_eval=last_eval,
+                       train_tokens_per_second=tokens_done / max(time_spent, 1e-9), objective=unwrapped)
+
+
+def _zero_state_dict(optimizer) -> dict:
+    """A DeepSpeed ZeRO optimizer's state without its Python objects (static loss scaler, slice maps)."""
+    state = dict(optimizer.state_dict())
+    if state.get("dynamic_loss_scale"):
+        raise SelfdraftError("fp16 dynamic loss scaling cannot be checkpointed without pickle: train in bf16 or fp32")
+    state.pop("loss_scaler", None)
+    state.pop("param_slice_mappings", None)
+    return state
+
+
+def _log(accelerator, out: pathlib.Path, step: int, metrics: dict[str, float], trackers: bool) -> None:
+    if trackers:
+        accelerator.log(metrics, step=step)
+    if accelerator.is_main_process:
+        with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+def _truncate_metrics(path: pathlib.Path, step: int) -> None:
+    """Drop metric lines past ``step`` (written after the checkpoint a run resumes from)."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text(encoding="utf-8").splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+    os.replace(tmp, path)
+
