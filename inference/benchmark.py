@@ -1,11 +1,13 @@
 """Decoding baselines side by side: transformers' generate() against our loop, in one process.
 
     python -m selfdraft.inference.benchmark --target smollm2-135m --dtype bfloat16 --limit 10
+    python -m selfdraft.inference.benchmark --dtype float32 --methods hf-greedy none --drafter runs/medusa-smollm2/drafter
 
 Methods (interleaved prompt by prompt after a warm-up, same dtype and threads):
 ``hf-greedy`` (generate, greedy), ``hf-prompt-lookup`` (generate with prompt_lookup_num_tokens),
 ``none`` (our loop, no drafter) and ``prompt-lookup`` (our loop). Prints tokens/s, the ratio to
 hf-greedy measured in the same run, acceptance length, and agreement with hf-greedy's tokens.
+``--drafter SPEC`` (repeatable) adds any drafter our loop takes, e.g. a trained drafter folder.
 """
 
 from __future__ import annotations
@@ -55,6 +57,15 @@ def run(args) -> dict:
         PromptLookupConfig(num_tokens=args.lookup_tokens, max_branches=args.lookup_branches, max_nodes=args.lookup_nodes)
     )
     ours = {"none": NoDrafter(), "prompt-lookup": lookup}
+    methods = list(args.methods)
+    for spec in args.drafter:
+        from selfdraft.inference.drafters import make_drafter
+
+        drafter = make_drafter(spec, target, medusa_nodes=args.medusa_nodes)
+        label = f"{drafter.name}:{spec.rstrip('/').split('/')[-1]}"
+        ours[label] = drafter
+        methods.append(label)
+    args.methods = methods
     tasks = {"mt_bench": mt_bench_prompts(args.limit), "humaneval": humaneval_prompts(args.limit)}
 
     def hf(ids: list[int], extra: dict) -> tuple[list[int], float]:
@@ -145,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lookup-tokens", type=int, default=PromptLookupConfig.num_tokens)
     p.add_argument("--lookup-branches", type=int, default=PromptLookupConfig.max_branches)
     p.add_argument("--lookup-nodes", type=int, default=PromptLookupConfig.max_nodes)
+    p.add_argument("--drafter", action="append", default=[], help="extra drafter spec for our loop (repeatable), e.g. a drafter folder")
+    p.add_argument("--medusa-nodes", type=int, default=None, help="rebuild Medusa drafters' sparse trees for this budget")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
     results = run(args)

@@ -136,3 +136,25 @@ def test_medusa_sampling_has_the_target_distribution():
     p_value = stats.chisquare(obs, exp).pvalue
     assert accepted_drafts > runs * 0.2, "the heads' drafts were hardly ever accepted: the test would prove little"
     assert p_value > 1e-3, f"chi-square p = {p_value:.2e} over {len(obs)} cells"
+
+
+def test_typical_acceptance_is_opt_in_lossy_and_follows_its_threshold():
+    from selfdraft.inference.tree import DraftTree, build_tree_buffers
+    from selfdraft.inference.verify import typical_verify
+
+    with pytest.raises(SelfdraftError, match="sampling mode"):
+        DecodeConfig(acceptance="typical").validate()
+    assert DecodeConfig(acceptance="typical", temperature=1.0).validate().lossy
+    assert not DecodeConfig(temperature=1.0).validate().lossy
+    # Root: p = (0.5, 0.3, 0.2, 0, ...); a chain root -> token 1 -> token 2.
+    probs = torch.zeros(3, 4, dtype=torch.float64)
+    probs[0] = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    probs[1] = torch.tensor([0.05, 0.05, 0.9, 0.0])
+    probs[2] = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    tree = DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]))
+    buffers = build_tree_buffers(tree)
+    gen = torch.Generator().manual_seed(0)
+    accepted, bonus = typical_verify(probs, tree.tokens, buffers, gen, epsilon=0.09, delta=0.3)
+    assert accepted == [1, 2] and bonus == 3  # 0.3 and 0.9 pass their thresholds; the bonus comes from node 2
+    accepted, bonus = typical_verify(probs, tree.tokens, buffers, gen, epsilon=0.5, delta=10.0)
+    assert accepted == [] and bonus in (0, 1, 2)  # 0.3 < min(0.5, 10 * exp(-H)) at the root

@@ -62,16 +62,20 @@ def test_every_preset_loads_and_an_unknown_key_is_named():
         assert yaml.safe_load(accel.read_text())["distributed_type"] in {"MULTI_GPU", "DEEPSPEED", "FSDP"}
 
 
-def test_a_run_moves_the_heads_and_leaves_the_target_bit_identical(tiny_target, tmp_path):
-    result = train(tiny_config(tiny_target, tmp_path / "run"))
+@pytest.mark.parametrize("own_lm_head", [False, True])
+def test_a_run_moves_the_heads_and_leaves_the_target_bit_identical(tiny_target, tmp_path, own_lm_head):
+    result = train(tiny_config(tiny_target, tmp_path / "run", f"drafter.medusa.own_lm_head={own_lm_head}"))
     original = read_weights(tiny_target / "model.safetensors")
     trained = result.objective.target.state_dict()
     assert original and all(torch.equal(trained[name], tensor) for name, tensor in original.items())
     heads = result.objective.heads
     assert all(float(block[0].linear.weight.detach().abs().max()) > 0 for block in heads.blocks)  # moved from zero
+    if own_lm_head:  # each head's projection starts as the target's LM head and trains on its own
+        lm = original["model.embed_tokens.weight"]
+        assert all(not torch.equal(head.weight.detach(), lm) for head in heads.lm_heads)
     # Run folder: resolved config, metrics, last two checkpoints, the export with a measured tree.
     run = tmp_path / "run"
-    assert (run / "config.yaml").is_file()
+    assert (run / "config.yaml").is_file() and (run / "training.png").stat().st_size > 1000
     assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == ["step-00000002", "step-00000004"]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/top1/head0" in line for line in lines) and any("train/loss" in line for line in lines)
@@ -214,3 +218,58 @@ def test_deepspeed_zero2_on_cpu(tiny_target, tmp_path):
     drafter, _ = load_drafter(tmp_path / "ds" / "drafter")
     for name, value in single.objective.heads.state_dict().items():
         torch.testing.assert_close(drafter.state_dict()[name], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.embedded
+def test_distill_writes_resumable_shards_that_train_reads(embedded_fp32, tmp_path):
+    from selfdraft.configs.schema import DataConfig
+    from selfdraft.train.data import iter_conversations
+    from selfdraft.train.distill import DistillConfig, distill
+
+    target = embedded_fp32
+    data = DataConfig(max_conversations=5)
+    config = DistillConfig(max_new_tokens=6, batch_size=2, shard_size=2, max_turns=1)
+    out = distill(target, data, tmp_path / "distilled", config)
+    shards = sorted(out.glob("shard-*.jsonl"))
+    assert [s.name for s in shards] == ["shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
+    conversations = list(iter_conversations(DataConfig(source=str(out))))
+    originals = list(iter_conversations(data))
+    assert len(conversations) == 5
+    for new, old in zip(conversations, originals):
+        old = old[next(i for i, m in enumerate(old) if m["role"] != "assistant"):]  # continuation chunks: no question
+        assert new[-1]["role"] == "assistant" and [m["role"] for m in new][:-1] == [m["role"] for m in old][:len(new) - 1]
+        assert new[0]["content"] == old[0]["content"]  # the prompt is kept, the answer regenerated
+    # The answer is the target's own greedy continuation.
+    from selfdraft.inference.api import generate
+
+    prompt = target.tokenizer.apply_chat_template(conversations[0][:-1], tokenize=True, add_generation_prompt=True,
+                                                  return_dict=False)
+    expected = generate(target, input_ids=prompt, max_new_tokens=6)
+    assert conversations[0][-1]["content"] == expected.text
+    # A rerun skips finished shards (resume); other settings in the same folder are refused.
+    shards[1].unlink()
+    before = shards[0].stat().st_mtime_ns
+    distill(target, data, out, config)
+    assert shards[1].is_file() and shards[0].stat().st_mtime_ns == before
+    with pytest.raises(SelfdraftError, match="other settings"):
+        distill(target, data, out, DistillConfig(max_new_tokens=7, batch_size=2, shard_size=2))
+
+
+def test_wandb_offline_tracking(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    train(tiny_config(tiny_target, tmp_path / "run", "train.report_to=wandb", "train.max_steps=2"))
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert runs and any(p.suffix == ".wandb" for p in runs[0].iterdir())
+
+
+def test_a_corrupt_checkpoint_is_a_clear_error_that_points_to_the_previous_one(tiny_target, tmp_path):
+    config = tiny_config(tiny_target, tmp_path / "run", "train.save_every=1", "train.eval_every=0", "train.keep_last=3")
+    train(config, stop_after=2)
+    latest = ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints")
+    weights = latest / "trainable.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    with pytest.raises(SelfdraftError, match=r"truncated or corrupt.*--resume-from .*step-00000001"):
+        train(config, resume=True)
+    resumed = train(config, resume=tmp_path / "run" / "checkpoints" / "step-00000001")
+    assert resumed.drafter_dir is not None

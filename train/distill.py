@@ -45,16 +45,18 @@ class DistillConfig:
 
 
 def _prompts(conversations: list[list[dict]], max_turns: int) -> list[list[dict]]:
-    """Keep each conversation's turns up to (not including) its max_turns-th assistant answer."""
+    """Drop leading assistant turns (a ShareGPT continuation chunk has no question for them), then
+    keep each conversation's turns up to its max_turns-th assistant answer."""
     out = []
     for messages in conversations:
         kept, answers = [], 0
-        for m in messages:
+        first = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
+        for m in messages[first:]:
+            kept.append(m)
             if m["role"] == "assistant":
+                answers += 1
                 if answers == max_turns:
                     break
-                answers += 1
-            kept.append(m)
         out.append(kept)
     return out
 
@@ -77,7 +79,7 @@ def _generate(target, histories: list[list[dict]], config: DistillConfig, genera
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=generator)))
     out = target.model.generate(**batch, **kwargs)
     new = out[:, batch["input_ids"].shape[1]:]
-    return [tok.decode(row, skip_special_tokens=True).strip() for row in new]
+    return [tok.decode(row, skip_special_tokens=True) for row in new]
 
 
 def distill(target, data: DataConfig, out: str | os.PathLike, config: DistillConfig = DistillConfig()) -> pathlib.Path:

@@ -5,7 +5,8 @@
 
 The run folder (``train.output_dir``) receives ``config.yaml`` (the resolved config), ``data/`` (the
 rendered dataset, reused on resume), ``checkpoints/step-N/`` (the last ``keep_last``), ``metrics.jsonl``,
-and at the end ``drafter/``: the native export, with a sparse tree built from the measured accuracies.
+``training.png`` (loss and per-head accuracy curves), and at the end ``drafter/``: the native export,
+with a sparse tree built from the measured accuracies.
 
 Data order is a pure function of (seed, step): global batch s takes positions [s*G, (s+1)*G) of an
 endless stream of per-epoch permutations, and process r of P takes micro batch m's slice r. A resumed
@@ -298,15 +299,20 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     start_step, last_eval, rank_acc = 0, {}, None
     if resume_from is not None:
         state = ckpt.read_state(resume_from)
-        unwrapped.load_trainable_state_dict(ckpt.load_tree(resume_from, "trainable"))
-        if state["sharded_optimizer"]:  # ZeRO: every rank reads every partition's state
-            zero = model.optimizer
-            zero.load_state_dict([ckpt.load_tree(resume_from, f"optimizer-rank{r}") for r in range(world)],
-                                 load_from_fp32_weights=True)
-        else:
-            optimizer.load_state_dict(ckpt.load_tree(resume_from, "optimizer"))
+        try:
+            with _full_parameters(accelerator, unwrapped, modify=True):
+                unwrapped.load_trainable_state_dict(ckpt.load_tree(resume_from, "trainable"))
+            if state["sharded_optimizer"]:  # ZeRO: every rank reads every partition's state
+                model.optimizer.load_state_dict([ckpt.load_tree(resume_from, f"optimizer-rank{r}") for r in range(world)],
+                                                load_from_fp32_weights=True)
+            else:
+                optimizer.load_state_dict(ckpt.load_tree(resume_from, "optimizer"))
+            ckpt.set_rng_state(ckpt.load_tree(resume_from, f"rng-rank{rank}"))
+        except SelfdraftError as err:
+            others = [str(p) for p in ckpt.list_checkpoints(ckpt_root) if p != resume_from]
+            hint = f"; resume from an earlier one with --resume-from {others[-1]}" if others else ""
+            raise SelfdraftError(f"cannot resume from {resume_from}: {err}{hint}") from err
         scheduler.load_state_dict(state["scheduler"])
-        ckpt.set_rng_state(ckpt.load_tree(resume_from, f"rng-rank{rank}"))
         start_step, last_eval = state["step"], state.get("last_eval", {})
         rank_acc = torch.tensor(state["rank_accuracy"]) if state.get("rank_accuracy") else None
         if main:
@@ -324,7 +330,8 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
             shutil.rmtree(work, ignore_errors=True)
             work.mkdir(parents=True)
         accelerator.wait_for_everyone()
-        trainable = unwrapped.trainable_state_dict()
+        with _full_parameters(accelerator, unwrapped):
+            trainable = {k: v.clone() for k, v in unwrapped.trainable_state_dict().items()}
         if main:
             ckpt.save_tree(work, "trainable", trainable)
             if not sharded_optimizer:
@@ -404,16 +411,32 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
             save(done)
     progress.close()
 
-    drafter_dir = None
     finished = end == t.max_steps
-    if finished and main:
-        drafter_dir = export_drafter(unwrapped, config, target, rank_acc, out / "drafter")
-        print(f"wrote the drafter to {drafter_dir}")
+    with _full_parameters(accelerator, unwrapped):
+        if finished and main:
+            print(f"wrote the drafter to {export_drafter(unwrapped, config, target, rank_acc, out / 'drafter')}")
+    if main:
+        from selfdraft.train.plots import plot_metrics
+
+        plot_metrics(out / "metrics.jsonl", out / "training.png")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return TrainResult(output_dir=out, step=end if end > start_step else start_step,
                        drafter_dir=out / "drafter" if finished else None, last_eval=last_eval,
                        train_tokens_per_second=tokens_done / max(time_spent, 1e-9), objective=unwrapped)
+
+
+def _full_parameters(accelerator, module, modify: bool = False):
+    """Under DeepSpeed ZeRO-3, gather the module's partitioned parameters (all ranks must enter);
+    with ``modify``, rank 0's changes are partitioned back on exit. A no-op otherwise."""
+    from accelerate.utils import DistributedType
+
+    plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0 if modify else None)
 
 
 def _zero_state_dict(optimizer) -> dict:
