@@ -101,3 +101,29 @@ class DraftModelConfig:
             if getattr(self, name) < 1:
                 raise SelfdraftError(f"draft model {name} must be >= 1, got {getattr(self, name)}")
         return self
+
+
+@dataclass(frozen=True)
+class DynamicTreeConfig:
+    """EAGLE-2 dynamic tree: expand the top_k best nodes per depth, keep the max_nodes best overall.
+
+    The defaults suit a CPU, where a verify forward over 8-16 tokens costs 1.5-2x one token; on a GPU
+    EAGLE-2's own setting (depth 6, top_k 10, max_nodes 60) verifies far larger trees for free.
+    """
+
+    depth: int = 5
+    """Draft tokens along the deepest path (drafter forwards per proposal)."""
+    top_k: int = 4
+    """Children proposed per expanded node, and nodes expanded per depth."""
+    max_nodes: int = 12
+    """Draft tokens kept in the tree, best cumulative draft log-probability first."""
+
+    def validate(self) -> "DynamicTreeConfig":
+        for name in ("depth", "top_k", "max_nodes"):
+            if getattr(self, name) < 1:
+                raise SelfdraftError(f"dynamic tree {name} must be >= 1, got {getattr(self, name)}")
+        return self
+
+
+GPU_DYNAMIC_TREE = DynamicTreeConfig(depth=6, top_k=10, max_nodes=60)
+"""EAGLE-2's published setting, for GPUs."""

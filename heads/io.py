@@ -35,7 +35,7 @@ class DrafterRecord:
     """What config.json holds, besides the format tag and version."""
 
     kind: str
-    """Drafter kind: ``medusa`` (EAGLE kinds to come)."""
+    """Drafter kind: ``medusa``, ``eagle`` (EAGLE-1) or ``eagle3``."""
     dims: dict[str, Any]
     """Constructor arguments of the head module (hidden size, vocab, heads, layers, ...)."""
     target: TargetIdentity
@@ -53,7 +53,17 @@ def _build_medusa(dims: dict[str, Any]) -> nn.Module:
     )
 
 
-BUILDERS = {"medusa": (_build_medusa, ("hidden_size", "vocab_size", "num_heads", "num_layers", "own_lm_head"))}
+def _build_eagle(dims: dict[str, Any]) -> nn.Module:
+    from selfdraft.heads.eagle import EagleDrafter
+
+    return EagleDrafter(dims)
+
+
+BUILDERS = {
+    "medusa": (_build_medusa, ("hidden_size", "vocab_size", "num_heads", "num_layers", "own_lm_head")),
+    "eagle": (_build_eagle, ("kind", "vocab_size", "layer_config")),
+    "eagle3": (_build_eagle, ("kind", "vocab_size", "layer_config", "aux_layers", "draft_vocab_size")),
+}
 
 
 def medusa_dims(heads: MedusaHeads) -> dict[str, Any]:

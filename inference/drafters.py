@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from selfdraft.configs.decode import DraftModelConfig, PromptLookupConfig
+from selfdraft.configs.decode import DraftModelConfig, DynamicTreeConfig, PromptLookupConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.session import CausalLMSession, StepOutput
 from selfdraft.inference.tree import DraftTree
@@ -200,6 +200,7 @@ def make_drafter(
     prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
     draft_model: DraftModelConfig = DraftModelConfig(),
     medusa_nodes: int | None = None,
+    dynamic_tree: DynamicTreeConfig = DynamicTreeConfig(),
 ) -> Drafter:
     """Build a drafter from its CLI spec: ``none``, ``prompt-lookup``, ``draft-model:SPEC`` (SPEC as
     for :func:`selfdraft.heads.target.load_target`, loaded with the target's dtype and device), or
@@ -218,9 +219,15 @@ def make_drafter(
     from selfdraft.heads.io import is_drafter_folder
 
     if is_drafter_folder(spec):
-        from selfdraft.inference.medusa import drafter_from_folder
+        from selfdraft.heads.io import read_record
 
-        return drafter_from_folder(spec, target, tree_nodes=medusa_nodes)
+        if read_record(spec).kind == "medusa":
+            from selfdraft.inference.medusa import drafter_from_folder
+
+            return drafter_from_folder(spec, target, tree_nodes=medusa_nodes)
+        from selfdraft.inference.eagle import drafter_from_folder
+
+        return drafter_from_folder(spec, target, dynamic_tree)
     raise SelfdraftError(
         f"unknown drafter {spec!r}; choose one of: {', '.join(DRAFTER_KINDS)}"
     )

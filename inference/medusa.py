@@ -109,7 +109,7 @@ def drafter_from_folder(folder, target, tree_nodes: int | None = None) -> Medusa
 
     heads, record = load_drafter(folder, target.identity)
     if record.kind != "medusa":
-        raise SelfdraftError(f"{folder} holds a {record.kind} drafter; this selfdraft decodes medusa folders")
+        raise SelfdraftError(f"{folder} holds a {record.kind} drafter, not a medusa one")
     choices = record.decode.get("choices", CPU_CHOICES)
     if tree_nodes is not None:
         if "rank_accuracy" not in record.decode:
