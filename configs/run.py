@@ -76,10 +76,35 @@ class MedusaConfig:
 
 
 @dataclass(frozen=True)
+class EagleConfig:
+    """EAGLE-1 (``kind: eagle``) and EAGLE-3 (``kind: eagle3``) feature drafters."""
+
+    regression_weight: float = 1.0
+    """EAGLE-1: weight of the smooth-L1 regression of the next feature."""
+    kl_weight: float = 0.1
+    """EAGLE-1: weight of the KL to the target's next-token distribution (EAGLE-3 uses the KL alone)."""
+    feature_noise: float = 0.1
+    """EAGLE-1: uniform noise (+-feature_noise) added to input features while training."""
+    ttt_steps: int = 3
+    """EAGLE-3 training-time test: steps the drafter is unrolled on its own outputs."""
+    step_decay: float = 0.8
+    """EAGLE-3: loss weight of unrolled step j is step_decay**j."""
+    draft_vocab_size: int = 8192
+    """EAGLE-3: the most frequent target tokens (assistant tokens of the training data) it drafts from."""
+    aux_layers: list[int] = field(default_factory=list)
+    """EAGLE-3: target hidden_states indices fused; empty for vLLM/SGLang's default (2, L//2, L-3)."""
+    tree_depth: int = 5
+    tree_top_k: int = 4
+    tree_nodes: int = 12
+    """The EAGLE-2 dynamic tree stored with the export (decode defaults; a CPU-sized tree)."""
+
+
+@dataclass(frozen=True)
 class DrafterConfig:
-    kind: Literal["medusa"] = "medusa"
-    """Which drafter to train (EAGLE kinds come next)."""
+    kind: Literal["medusa", "eagle", "eagle3"] = "medusa"
+    """Which drafter to train: Medusa heads, EAGLE-1 or EAGLE-3."""
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
+    eagle: EagleConfig = field(default_factory=EagleConfig)
 
 
 @dataclass(frozen=True)
@@ -154,6 +179,11 @@ class RunConfig:
             (m.tree_nodes >= 1 and m.tree_ranks >= 1, "drafter.medusa.tree_nodes and tree_ranks must be >= 1"),
             (m.lora.rank >= 0 and m.lora.lm_loss_weight >= 0, "drafter.medusa.lora.rank and lm_loss_weight must be >= 0"),
             (self.data.max_length >= 4, "data.max_length must be >= 4"),
+            (self.drafter.eagle.ttt_steps >= 1 and 0 < self.drafter.eagle.step_decay <= 1,
+             "drafter.eagle needs ttt_steps >= 1 and step_decay in (0, 1]"),
+            (self.drafter.eagle.draft_vocab_size >= 2, "drafter.eagle.draft_vocab_size must be >= 2"),
+            (min(self.drafter.eagle.tree_depth, self.drafter.eagle.tree_top_k, self.drafter.eagle.tree_nodes) >= 1,
+             "drafter.eagle tree_depth, tree_top_k and tree_nodes must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:

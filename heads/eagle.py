@@ -63,6 +63,7 @@ class EagleDrafter(nn.Module):
         from transformers import AutoConfig
 
         kind = dims["kind"]
+        self.dims = copy.deepcopy(dims)
         if kind not in KINDS:
             raise ValueError(f"EAGLE kind must be one of {KINDS}, got {kind!r}")
         cfg = AutoConfig.for_model(**copy.deepcopy(dims["layer_config"]))

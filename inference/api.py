@@ -83,6 +83,7 @@ def generate(
     stop_on_eos: bool = DecodeConfig.stop_on_eos,
     acceptance: str = DecodeConfig.acceptance,
     medusa_nodes: int | None = None,
+    dynamic_tree=None,
     dtype: str = "float32",
     device: str = "cpu",
     prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
@@ -95,7 +96,8 @@ def generate(
     ``drafter`` is a :class:`Drafter` or a spec: ``none``, ``prompt-lookup``, ``draft-model:SPEC``.
     Give either ``prompt`` (text; ``chat`` wraps it as a user turn) or ``input_ids``.
     ``acceptance="typical"`` is Medusa's LOSSY typical acceptance (sampling only). ``medusa_nodes``
-    rebuilds an exported Medusa drafter's sparse tree for that node budget from its stored accuracies.
+    rebuilds an exported Medusa drafter's sparse tree for that node budget from its stored accuracies;
+    ``dynamic_tree`` (a DynamicTreeConfig) replaces an EAGLE drafter's stored dynamic tree.
     """
     config = DecodeConfig(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -108,7 +110,8 @@ def generate(
     if (prompt is None) == (input_ids is None):
         raise SelfdraftError("give exactly one of prompt (text) or input_ids")
     ids = list(input_ids) if input_ids is not None else encode_prompt(target.tokenizer, prompt, chat)
-    drafter = make_drafter(drafter, target, prompt_lookup=prompt_lookup, draft_model=draft_model, medusa_nodes=medusa_nodes)
+    drafter = make_drafter(drafter, target, prompt_lookup=prompt_lookup, draft_model=draft_model, medusa_nodes=medusa_nodes,
+                           dynamic_tree=dynamic_tree)
 
     session = CausalLMSession(target.model, hidden_layers=drafter.hidden_layers)
     out = speculative_decode(

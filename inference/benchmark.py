@@ -34,6 +34,7 @@ class Tally:
     exact: int = 0
     prompts: int = 0
     first_divergence: list = field(default_factory=list)
+    depth_rates: dict = field(default_factory=dict)  # depth -> per-prompt acceptance rates
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -86,8 +87,11 @@ def run(args) -> dict:
             toks, secs = hf(ids, {"prompt_lookup_num_tokens": args.hf_lookup_tokens})
             return toks, secs, None
         r = generate(target, input_ids=ids, drafter=ours[method], max_new_tokens=args.max_new_tokens)
+        for depth, rate in r.depth_acceptance.items():
+            depth_rates.setdefault(method, {}).setdefault(depth, []).append(rate)
         return r.token_ids, r.seconds, r.target_forwards
 
+    depth_rates: dict = {}
     warm = encode_prompt(tok, tasks["mt_bench"][0].text, True)
     for method in args.methods:
         one(method, warm)
@@ -97,6 +101,7 @@ def run(args) -> dict:
 
     for task in args.tasks:
         tallies = {m: Tally() for m in args.methods}
+        depth_rates.clear()
         for prompt in tqdm(tasks[task], desc=task, file=sys.stderr):
             ids = encode_prompt(tok, prompt.text, prompt.chat)
             reference = None
@@ -127,6 +132,7 @@ def run(args) -> dict:
                 "identical_to_hf_greedy": f"{t.exact}/{t.prompts}",
                 "first_divergences": t.first_divergence,
                 "new_tokens": t.tokens,
+                "depth_acceptance": {d: sum(v) / len(v) for d, v in sorted(depth_rates.get(method, {}).items())},
             }
         results[task] = rows
     return results
@@ -141,6 +147,9 @@ def print_table(results: dict, header: str) -> None:
             tau = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
             div = f" (first divergences at {r['first_divergences']})" if r["first_divergences"] else ""
             print(f"  {method:<18}{r['tokens_per_second']:>10.1f}{r['ratio_to_hf_greedy']:>13.2f}x{tau:>7}  {r['identical_to_hf_greedy']}{div}")
+            if r["depth_acceptance"]:
+                print(f"  {'':<18}per-depth acceptance (mean over prompts): "
+                      + ", ".join(f"d{d} {a:.2f}" for d, a in r["depth_acceptance"].items()))
 
 
 def main(argv: list[str] | None = None) -> int:

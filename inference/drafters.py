@@ -190,7 +190,7 @@ class DraftModelDrafter(Drafter):
         return tree, session
 
 
-DRAFTER_KINDS = ("none", "prompt-lookup", "draft-model:SPEC", "PATH (an exported drafter folder)")
+DRAFTER_KINDS = ("none", "prompt-lookup", "draft-model:SPEC", "PATH (a native drafter folder or a vLLM/SGLang EAGLE folder)")
 
 
 def make_drafter(
@@ -200,7 +200,7 @@ def make_drafter(
     prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
     draft_model: DraftModelConfig = DraftModelConfig(),
     medusa_nodes: int | None = None,
-    dynamic_tree: DynamicTreeConfig = DynamicTreeConfig(),
+    dynamic_tree: DynamicTreeConfig | None = None,
 ) -> Drafter:
     """Build a drafter from its CLI spec: ``none``, ``prompt-lookup``, ``draft-model:SPEC`` (SPEC as
     for :func:`selfdraft.heads.target.load_target`, loaded with the target's dtype and device), or
@@ -228,6 +228,13 @@ def make_drafter(
         from selfdraft.inference.eagle import drafter_from_folder
 
         return drafter_from_folder(spec, target, dynamic_tree)
+    from selfdraft.heads.eagle_formats import is_engine_eagle_folder
+
+    if is_engine_eagle_folder(spec):  # a published or exported vLLM/SGLang EAGLE drafter
+        from selfdraft.heads.eagle_formats import import_eagle
+        from selfdraft.inference.eagle import EagleTreeDrafter
+
+        return EagleTreeDrafter(import_eagle(spec, target.model), target.model, dynamic_tree or DynamicTreeConfig())
     raise SelfdraftError(
         f"unknown drafter {spec!r}; choose one of: {', '.join(DRAFTER_KINDS)}"
     )

@@ -169,11 +169,14 @@ class EagleTreeDrafter(Drafter):
         return EagleState(state.cache, state.length, pending, None)
 
 
-def drafter_from_folder(folder, target, config: DynamicTreeConfig = DynamicTreeConfig()) -> EagleTreeDrafter:
-    """An EAGLE drafter from an exported folder, refused unless it was trained for ``target``."""
+def drafter_from_folder(folder, target, config: DynamicTreeConfig | None = None) -> EagleTreeDrafter:
+    """An EAGLE drafter from an exported folder, refused unless it was trained for ``target``; it decodes
+    with ``config`` or else the dynamic tree stored with it."""
     from selfdraft.heads.io import load_drafter
 
     drafter, record = load_drafter(folder, target.identity)
     if record.kind not in ("eagle", "eagle3"):
         raise SelfdraftError(f"{folder} holds a {record.kind} drafter, not an EAGLE one")
+    if config is None:
+        config = DynamicTreeConfig(**record.decode["tree"]) if "tree" in record.decode else DynamicTreeConfig()
     return EagleTreeDrafter(drafter, target.model, config)

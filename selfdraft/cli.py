@@ -57,6 +57,9 @@ def _add_generate(sub) -> None:
     g.add_argument("--medusa-nodes", type=_positive_int, default=None,
                    help="rebuild the Medusa sparse tree for this node budget from the accuracies stored with the drafter "
                    "(default: the stored tree)")
+    g.add_argument("--eagle-tree", default=None, metavar="DEPTH,TOP_K,NODES",
+                   help="EAGLE-2 dynamic tree for an EAGLE drafter folder, e.g. 5,4,12 (CPU) or 6,10,60 (GPU); "
+                   "default: the tree stored with the drafter")
     p.set_defaults(func=_run_generate)
 
 
@@ -65,7 +68,16 @@ def _run_generate(args) -> int:
     from selfdraft.heads.target import load_target
     from selfdraft.inference.api import generate
 
+    from selfdraft.configs.decode import DynamicTreeConfig
+
     DraftModelConfig(depth=args.draft_depth, top_k=args.draft_top_k, max_nodes=args.tree_nodes).validate()
+    dynamic_tree = None
+    if args.eagle_tree is not None:
+        try:
+            depth, top_k, nodes = (int(x) for x in args.eagle_tree.split(","))
+        except ValueError:
+            raise SelfdraftError(f"--eagle-tree wants DEPTH,TOP_K,NODES (three integers), got {args.eagle_tree!r}") from None
+        dynamic_tree = DynamicTreeConfig(depth=depth, top_k=top_k, max_nodes=nodes).validate()
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     result = generate(
         target,
@@ -79,6 +91,7 @@ def _run_generate(args) -> int:
         seed=args.seed,
         acceptance="typical" if args.typical_acceptance else "exact",
         medusa_nodes=args.medusa_nodes,
+        dynamic_tree=dynamic_tree,
         prompt_lookup=PromptLookupConfig(
             max_ngram=args.lookup_max_ngram,
             min_ngram=1,
@@ -104,7 +117,8 @@ def _run_generate(args) -> int:
 def _add_export(sub) -> None:
     p = sub.add_parser("export", help="write a trained drafter in selfdraft's native layout or a serving engine's (vLLM's MedusaModel)")
     p.add_argument("drafter", help="a training run folder (its drafter/, else its latest checkpoint) or a native drafter folder")
-    p.add_argument("--format", required=True, choices=["native", "vllm"], help="target layout")
+    p.add_argument("--format", required=True, choices=["native", "vllm", "sglang"],
+                   help="native, or the serving layout: vllm (Medusa, EAGLE-1, EAGLE-3) or sglang (EAGLE-1, EAGLE-3: the same files)")
     p.add_argument("--out", required=True, help="folder to write (replaced atomically)")
     p.add_argument("--target", default=None, help="target spec, needed when the heads share its LM head (default: the recorded target)")
     p.set_defaults(func=_run_export)
@@ -126,6 +140,15 @@ def _run_export(args) -> int:
     elif args.format == "native":
         raise SelfdraftError(f"{args.drafter} is already a native drafter folder")
     record = read_record(args.drafter)
+    if record.kind in ("eagle", "eagle3"):
+        from selfdraft.heads.eagle_formats import ARCHITECTURES, export_eagle
+
+        drafter, record = load_drafter(args.drafter)
+        out = export_eagle(drafter, args.out)
+        print(f"wrote {record.kind} drafter in the {ARCHITECTURES[record.kind]} layout ({args.format}) to {out}")
+        return 0
+    if args.format == "sglang":
+        raise SelfdraftError("SGLang has no Medusa loader; export Medusa heads with --format vllm")
     lm_head = None
     if record.kind == "medusa" and not record.dims["own_lm_head"]:
         target = load_target(args.target or record.target.name)

@@ -166,3 +166,30 @@ def test_eagle_sampling_has_the_target_distribution(kind):
     p_value = stats.chisquare(obs, exp).pvalue
     assert accepted > runs // 10, f"too few accepted drafts ({accepted}) for the test to mean anything"
     assert p_value > 1e-3, f"chi-square p = {p_value:.2e}: the sampler's law differs from the target's"
+
+
+@pytest.mark.slow
+@pytest.mark.embedded
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_trained_eagle_on_the_embedded_target_is_greedy_exact(embedded_fp32, tmp_path, kind):
+    """A few training steps on the real target, then greedy decoding with a dynamic tree equals
+    transformers' greedy output on chat prompts (fp32)."""
+    from selfdraft.configs.run import load_run_config
+    from selfdraft.inference.api import encode_prompt
+    from selfdraft.inference.prompts import mt_bench_prompts
+    from selfdraft.train.loop import train
+
+    config = load_run_config(f"smoke_{kind}", [f"train.output_dir={tmp_path / 'run'}", "train.max_steps=4",
+                                               "data.max_conversations=24", "train.eval_every=0", "train.save_every=0"])
+    result = train(config)
+    from selfdraft.inference.eagle import drafter_from_folder
+
+    drafter = drafter_from_folder(result.drafter_dir, embedded_fp32)
+    model = embedded_fp32.model
+    for prompt in mt_bench_prompts(2):
+        ids = encode_prompt(embedded_fp32.tokenizer, prompt.text, True)
+        ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
+                             max_new_tokens=32, pad_token_id=0)[0, len(ids):].tolist()
+        out = speculative_decode(CausalLMSession(model, hidden_layers=drafter.hidden_layers), ids, drafter,
+                                 DecodeConfig(max_new_tokens=32), eos_token_ids=embedded_fp32.eos_token_ids)
+        assert out.token_ids == ref[: len(out.token_ids)] and (len(out.token_ids) == 32 or out.stop_reason == "eos")

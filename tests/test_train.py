@@ -273,3 +273,64 @@ def test_a_corrupt_checkpoint_is_a_clear_error_that_points_to_the_previous_one(t
         train(config, resume=True)
     resumed = train(config, resume=tmp_path / "run" / "checkpoints" / "step-00000001")
     assert resumed.drafter_dir is not None
+
+
+def test_ttt_mask_and_draft_vocabulary_by_hand():
+    import numpy as np
+
+    from selfdraft.train.objectives import _ttt_mask, draft_vocabulary
+
+    # L = 3 positions, step 1: query t sees step-0 keys s <= t-1 and its own step-1 key (s == t).
+    visible = _ttt_mask(3, 1, torch.float32, "cpu")[0, 0] == 0
+    assert visible.int().tolist() == [[0, 0, 0, 1, 0, 0],
+                                      [1, 0, 0, 0, 1, 0],
+                                      [1, 1, 0, 0, 0, 1]]
+    # Step 2: step-0 keys s <= t-2, the step-1 key at t-1, the step-2 key at t.
+    visible = _ttt_mask(3, 2, torch.float32, "cpu")[0, 0] == 0
+    assert visible.int().tolist() == [[0, 0, 0, 0, 0, 0, 1, 0, 0],
+                                      [0, 0, 0, 1, 0, 0, 0, 1, 0],
+                                      [1, 0, 0, 0, 1, 0, 0, 0, 1]]
+    data = [(np.array([5, 5, 3, 9, 3, 5]), np.array([0, 1, 1, 1, 1, 1])),  # counted: 5 x2, 3 x2, 9 x1
+            (np.array([7, 9, 1]), np.array([1, 1, 0]))]                     # counted: 7, 9
+    assert draft_vocabulary(data, 10, 3).tolist() == [3, 5, 9]  # 3, 5, 9 (x2 each); 7 loses the tie to 9
+    assert draft_vocabulary(data, 10, 5).tolist() == [0, 3, 5, 7, 9]  # padded with the smallest unused id
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_runs_train_resume_export_and_decode_exactly(tiny_target, tmp_path, kind, capsys):
+    from selfdraft.cli import main
+
+    config = tiny_config(tiny_target, tmp_path / "full", f"drafter.kind={kind}", "drafter.eagle.draft_vocab_size=512",
+                         "train.max_steps=5")
+    full = train(config)
+    original = read_weights(tiny_target / "model.safetensors")
+    trained = full.objective.target.state_dict()
+    assert all(torch.equal(trained[name], tensor) for name, tensor in original.items())
+    fc = full.objective.drafter.fc.weight
+    assert not torch.equal(fc.detach(), torch.zeros_like(fc))
+    cut = tiny_config(tiny_target, tmp_path / "cut", f"drafter.kind={kind}", "drafter.eagle.draft_vocab_size=512",
+                      "train.max_steps=5")
+    train(cut, stop_after=3)
+    resumed = train(cut, resume=True)
+    a, b = full.objective.trainable_state_dict(), resumed.objective.trainable_state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    drafter, record = load_drafter(tmp_path / "full" / "drafter")
+    assert record.kind == kind and record.decode["tree"]["max_nodes"] == 12
+    if kind == "eagle3":
+        assert drafter.lm_head.weight.shape[0] == 512 and int(drafter.t2d.sum()) == 512
+    capsys.readouterr()
+    runs = {}
+    for spec in ("none", str(tmp_path / "full" / "drafter")):
+        assert main(["generate", "--target", str(tiny_target), "--drafter", spec, "--prompt", "Tell me a story",
+                     "--chat", "--max-new-tokens", "24", "--json"]) == 0
+        runs[spec] = json.loads(capsys.readouterr().out)
+    assert runs[str(tmp_path / "full" / "drafter")]["token_ids"] == runs["none"]["token_ids"]
+    assert runs[str(tmp_path / "full" / "drafter")]["drafter"] == kind
+    # Serving layout from the run folder; it decodes here as well (import of the same layout).
+    assert main(["export", str(tmp_path / "full"), "--format", "sglang", "--out", str(tmp_path / "engine")]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--target", str(tiny_target), "--drafter", str(tmp_path / "engine"), "--prompt", "Tell me a story",
+                 "--chat", "--max-new-tokens", "24", "--json", "--eagle-tree", "3,2,4"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == runs["none"]["token_ids"]

@@ -43,7 +43,8 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike | None = None) -> 
     state = ckpt.read_state(latest)
     config = from_dict(RunConfig, state["config"]).validate()
     target = load_target(config.target.spec, dtype=config.target.dtype, trust_remote_code=config.target.trust_remote_code)
-    objective = build_objective(config, target.model)
+    objective = build_objective(config, target.model)  # an EAGLE-3 vocabulary map comes with the checkpoint
     objective.load_trainable_state_dict(ckpt.load_tree(latest, "trainable"))
     rank_acc = torch.tensor(state["rank_accuracy"]) if state.get("rank_accuracy") else None
     return export_drafter(objective, config, target, rank_acc, pathlib.Path(out) if out is not None else run / "drafter")
+

@@ -188,8 +188,14 @@ def export_drafter(objective, config: RunConfig, target, rank_acc: torch.Tensor 
     from selfdraft.heads.target import TargetIdentity, tokenizer_fingerprint
     from selfdraft.inference.medusa import CPU_CHOICES, sparse_tree
 
-    heads = objective.heads
     identity = target.identity
+    if config.drafter.kind in ("eagle", "eagle3"):
+        e = config.drafter.eagle
+        record = DrafterRecord(kind=config.drafter.kind, dims=objective.drafter.dims, target=identity,
+                               decode={"tree": {"depth": e.tree_depth, "top_k": e.tree_top_k, "max_nodes": e.tree_nodes}},
+                               run_config=to_dict(config))
+        return save_drafter(out, objective.drafter, record)
+    heads = objective.heads
     if objective.lora:
         merged_dir = out.parent / f"{out.name}-target"
         merged = objective.merged_target()
@@ -283,7 +289,7 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     if not eval_data:
         raise SelfdraftError("the held-out split is empty: raise data.eval_fraction or give more conversations")
 
-    objective = build_objective(config, target.model)
+    objective = build_objective(config, target.model, train_data)
     objective.to(accelerator.device)
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)

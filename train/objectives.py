@@ -157,10 +157,159 @@ class MedusaObjective(nn.Module):
         return copy.deepcopy(self.target).merge_and_unload()
 
 
-def build_objective(config: RunConfig, target_model: nn.Module) -> MedusaObjective:
-    if config.drafter.kind != "medusa":
-        raise SelfdraftError(f"drafter kind {config.drafter.kind!r} has no training objective yet")
-    return MedusaObjective(target_model, config.drafter.medusa, top_k=config.train.top_k, seed=config.train.seed)
+def draft_vocabulary(train_data, vocab_size: int, size: int) -> torch.Tensor:
+    """EAGLE-3's draft vocabulary: the ``size`` most frequent assistant tokens of the training data
+    (ties by smaller id), padded with the smallest unused ids if fewer distinct tokens occur; (V',)."""
+    import numpy as np
+
+    size = min(size, vocab_size)
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ids, mask in train_data:
+        np.add.at(counts, ids[mask.astype(bool)], 1)
+    order = np.lexsort((np.arange(vocab_size), -counts))  # count descending, then id ascending
+    return torch.from_numpy(np.sort(order[:size]).copy())
+
+
+def _ttt_mask(length: int, step: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """EAGLE-3 training-time test attention at unrolled step j: (1, 1, L, (j+1) L) additive.
+
+    Query t sees step-0 keys (true target features) at positions <= t - j, and the key of step i
+    (1 <= i <= j, the drafter's own features) at position t - j + i: exactly what a depth-(j+1) tree
+    node sees in decoding (the committed cache, then its ancestors, then itself)."""
+    t = torch.arange(length, device=device)[:, None]  # (L, 1)
+    s = torch.arange(length, device=device)[None, :]  # (1, L)
+    blocks = [s <= t - step] + [s == t - step + i for i in range(1, step + 1)]
+    visible = torch.cat(blocks, dim=1)  # (L, (j+1) L)
+    mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)
+
+
+class EagleObjective(nn.Module):
+    """EAGLE-1: regression of the next feature (smooth L1) + KL of its logits to the target's, with
+    noise on the input features. EAGLE-3: KL to the target's distribution over the draft vocabulary,
+    unrolled for ``ttt_steps`` on the drafter's own features (training-time test), step j weighted by
+    step_decay**j. Stats use "head k" for draft depth k+1 (the unrolled step)."""
+
+    lora = False
+
+    def __init__(self, target_model: nn.Module, kind: str, config, top_k: int, seed: int, train_data=None):
+        super().__init__()
+        from selfdraft.heads.eagle import EagleDrafter
+
+        self.kind, self.config, self.top_k = kind, config, top_k
+        target_model.requires_grad_(False)
+        self.target = target_model
+        text = target_model.config.get_text_config()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            dims = EagleDrafter.dims_for(target_model, kind, draft_vocab_size=config.draft_vocab_size,
+                                         aux_layers=list(config.aux_layers) or None)
+            self.drafter = EagleDrafter(dims).float()
+        if kind == "eagle3" and train_data is not None:  # else the map comes with a checkpoint
+            ids = draft_vocabulary(train_data, text.vocab_size, config.draft_vocab_size)
+            if len(ids) != self.drafter.draft_vocab_size:
+                raise SelfdraftError(f"draft vocabulary of {len(ids)} tokens, expected {self.drafter.draft_vocab_size}")
+            self.drafter.set_vocab_map(ids)
+            with torch.no_grad():  # start from the target's head rows and final norm
+                self.drafter.lm_head.weight.copy_(target_model.get_output_embeddings().weight[ids].float())
+                final_norm = getattr(getattr(target_model, "model", None), "norm", None)
+                if final_norm is not None and hasattr(final_norm, "weight"):
+                    self.drafter.norm.weight.copy_(final_norm.weight.float())
+        self.steps = 1 if kind == "eagle" else config.ttt_steps
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Trained parameters plus the drafter's persistent buffers (EAGLE-3's d2t/t2d maps)."""
+        state = {n: p.detach() for n, p in self.named_parameters() if p.requires_grad}
+        keys = set(self.drafter.state_dict())
+        state.update({f"drafter.{n}": b for n, b in self.drafter.named_buffers() if n in keys})
+        return state
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        mine = self.trainable_state_dict()
+        if set(mine) != set(state) or any(mine[n].shape != state[n].shape for n in mine):
+            missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+            raise SelfdraftError(f"checkpoint does not fit this run's drafter: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        with torch.no_grad():
+            for n, tensor in self.state_dict(keep_vars=True).items():
+                if n in state:
+                    tensor.copy_(state[n])
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor):
+        from transformers import DynamicCache
+
+        cfg = self.config
+        with torch.no_grad():
+            out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        B, T = input_ids.shape
+        L = T - 1  # pair positions t = 0..T-2: (feature at t, token t+1)
+        device, dtype = input_ids.device, next(self.drafter.parameters()).dtype
+        K, R = self.steps, 1
+        stats = {"head_loss": torch.zeros(K, device=device), "head_tokens": torch.zeros(K, device=device),
+                 "top1": torch.zeros(K, device=device), "topk": torch.zeros(K, device=device),
+                 "rank_hits": torch.zeros(K, R, device=device)}
+        loss = torch.zeros((), device=device)
+        if L < 2:
+            return loss, stats
+        mask = (loss_mask.bool() & attention_mask.bool())[:, 2:]  # (B, T-2): token t+2 is an assistant token
+        embeds = self.target.get_input_embeddings()(input_ids[:, 1:]).detach().to(dtype)  # (B, L, H)
+        positions = torch.arange(L, device=device)[None].expand(B, L)
+        target_logits = out.logits[:, 1:T - 1].detach().float()  # (B, T-2, V): the target's view of token t+2
+        if self.kind == "eagle":
+            feats = out.hidden_states[-1].detach().to(dtype)  # (B, T, H) final normed features
+            x = feats[:, :-1]
+            if self.training and cfg.feature_noise > 0:
+                x = x + (torch.rand_like(x) * 2 - 1) * cfg.feature_noise
+            pred = self.drafter(x, embeds, positions, None)[:, : T - 2]  # (B, T-2, H) ~ f_{t+1}
+            m = int(mask.sum())
+            if m == 0:
+                return loss, stats
+            p_hat, f_true = pred[mask], feats[:, 1:T - 1][mask]  # (M, H)
+            reg = F.smooth_l1_loss(p_hat, f_true)
+            logits = self.drafter.logits(p_hat, self.target.get_output_embeddings()).float()  # (M, V)
+            log_p = F.log_softmax(target_logits[mask], dim=-1)
+            kl = F.cross_entropy(logits, log_p.exp()) + (log_p.exp() * log_p).sum(-1).mean()
+            loss = cfg.regression_weight * reg + cfg.kl_weight * kl
+            self._stats(stats, 0, kl, logits, log_p.argmax(-1), m)
+            return loss, stats
+        # EAGLE-3: fused features of three layers, unrolled on its own outputs.
+        aux = torch.cat([out.hidden_states[i] for i in self.drafter.aux_layers], dim=-1)[:, :-1].detach().to(dtype)
+        feature = self.drafter.fuse(aux)  # (B, L, H)
+        draft_ids = self.drafter.draft_to_target()  # (V',)
+        log_p_all = F.log_softmax(target_logits[..., draft_ids], dim=-1)  # (B, T-2, V') renormalised on V'
+        # The label is the target's own argmax, as a draft id (-1 when outside the draft vocabulary).
+        to_draft = torch.full((self.drafter.vocab_size,), -1, dtype=torch.long, device=device)
+        to_draft[draft_ids] = torch.arange(len(draft_ids), device=device)
+        labels = to_draft[target_logits.argmax(-1)]  # (B, T-2)
+        cache = DynamicCache(config=self.drafter.layer_config)
+        t_index = torch.arange(T - 2, device=device)[None]  # (1, T-2)
+        for j in range(K):
+            step_out = self.drafter(feature, embeds, positions, _ttt_mask(L, j, dtype, device), cache=cache)  # (B, L, H)
+            sel = mask & (t_index >= j)  # position t has j own-feature ancestors only if t >= j
+            m = int(sel.sum())
+            if m:
+                logits = self.drafter.logits(step_out[:, : T - 2][sel]).float()  # (M, V')
+                log_p = log_p_all[sel]
+                kl = F.cross_entropy(logits, log_p.exp()) + (log_p.exp() * log_p).sum(-1).mean()
+                loss = loss + cfg.step_decay ** j * kl
+                self._stats(stats, j, kl, logits, labels[sel], m)
+            feature = torch.cat([torch.zeros_like(step_out[:, :1]), step_out[:, :-1]], dim=1)  # t takes t-1's output
+        return loss, stats
+
+    def _stats(self, stats, k, loss, logits, label, m) -> None:
+        with torch.no_grad():
+            top = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).indices
+            stats["head_loss"][k] = loss.detach() * m
+            stats["head_tokens"][k] = m
+            stats["top1"][k] = (top[:, 0] == label).sum()
+            stats["topk"][k] = (top == label[:, None]).any(-1).sum()
+
+
+def build_objective(config: RunConfig, target_model: nn.Module, train_data=None) -> nn.Module:
+    kind = config.drafter.kind
+    if kind == "medusa":
+        return MedusaObjective(target_model, config.drafter.medusa, top_k=config.train.top_k, seed=config.train.seed)
+    return EagleObjective(target_model, kind, config.drafter.eagle, top_k=config.train.top_k, seed=config.train.seed,
+                          train_data=train_data)
 
 
 def summarise(stats: dict[str, torch.Tensor]) -> dict[str, float]:
