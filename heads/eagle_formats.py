@@ -17,6 +17,7 @@ hidden layer and the architecture replaced.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 
@@ -67,8 +68,6 @@ def export_eagle(drafter: EagleDrafter, folder: str | os.PathLike) -> pathlib.Pa
 
 def is_engine_eagle_folder(path: str | os.PathLike) -> bool:
     """True for a folder whose config.json names an EAGLE-1/EAGLE-3 engine architecture."""
-    import json
-
     config = pathlib.Path(path) / "config.json"
     try:
         arch = (json.loads(config.read_text(encoding="utf-8")).get("architectures") or [""])[0]

@@ -20,6 +20,12 @@ from selfdraft.errors import SelfdraftError
 from selfdraft.heads.medusa import MedusaHeads
 
 
+def _zero_loss(module: nn.Module) -> torch.Tensor:
+    """0 connected to every parameter of ``module``: a batch with no supervised position still
+    backpropagates (zero) gradients, so processes never disagree on which parameters got one."""
+    return sum(p.sum() for p in module.parameters()) * 0.0
+
+
 class MedusaObjective(nn.Module):
     """Medusa-1 (frozen target) or Medusa-2 (LoRA on the target, trained jointly).
 
@@ -83,7 +89,7 @@ class MedusaObjective(nn.Module):
         K = cfg.num_heads
         R = cfg.tree_ranks
         device = input_ids.device
-        loss = hidden.new_zeros((), dtype=torch.float32)
+        loss = _zero_loss(self.heads)
         stats = {
             "head_loss": torch.zeros(K, device=device), "head_tokens": torch.zeros(K, device=device),
             "top1": torch.zeros(K, device=device), "topk": torch.zeros(K, device=device),
@@ -247,7 +253,7 @@ class EagleObjective(nn.Module):
         stats = {"head_loss": torch.zeros(K, device=device), "head_tokens": torch.zeros(K, device=device),
                  "top1": torch.zeros(K, device=device), "topk": torch.zeros(K, device=device),
                  "rank_hits": torch.zeros(K, R, device=device)}
-        loss = torch.zeros((), device=device)
+        loss = _zero_loss(self.drafter)
         if L < 2:
             return loss, stats
         mask = (loss_mask.bool() & attention_mask.bool())[:, 2:]  # (B, T-2): token t+2 is an assistant token
