@@ -26,6 +26,24 @@ def _zero_loss(module: nn.Module) -> torch.Tensor:
     return sum(p.sum() for p in module.parameters()) * 0.0
 
 
+def _load_trainable(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` into the tensors ``module.trainable_state_dict()`` names, which it must match."""
+    mine = module.trainable_state_dict()
+    if set(mine) != set(state) or any(mine[n].shape != state[n].shape for n in mine):
+        missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+        raise SelfdraftError(f"checkpoint does not fit this run's drafter: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    with torch.no_grad():
+        for n, tensor in module.state_dict(keep_vars=True).items():
+            if n in state:
+                tensor.copy_(state[n])
+
+
+def _top_hits(logits: torch.Tensor, label: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many rows of logits (M, V) rank the label (M,) first, and within the top k."""
+    top = logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices  # (M, k)
+    return (top[:, 0] == label).sum(), (top == label[:, None]).any(-1).sum()
+
+
 class MedusaObjective(nn.Module):
     """Medusa-1 (frozen target) or Medusa-2 (LoRA on the target, trained jointly).
 
@@ -64,14 +82,7 @@ class MedusaObjective(nn.Module):
         """The parameters being trained (heads, plus LoRA weights in Medusa-2), by name."""
         return {n: p.detach() for n, p in self.named_parameters() if p.requires_grad}
 
-    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        params = {n: p for n, p in self.named_parameters() if p.requires_grad}
-        if set(params) != set(state) or any(params[n].shape != state[n].shape for n in params):
-            missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
-            raise SelfdraftError(f"checkpoint does not fit this run's drafter: missing {missing[:4]}, unexpected {unexpected[:4]}")
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(state[n])
+    load_trainable_state_dict = _load_trainable
 
     def _lm_head(self) -> nn.Module:
         return self.target.get_output_embeddings()
@@ -125,9 +136,7 @@ class MedusaObjective(nn.Module):
                 stats["head_loss"][k] = head_loss.detach() * m
                 stats["head_tokens"][k] = m
                 if self.training:  # cheap: top-1 and top-k only
-                    top = logits.topk(self.top_k, dim=-1).indices  # (M, k)
-                    stats["top1"][k] = (top[:, 0] == label).sum()
-                    stats["topk"][k] = (top == label[:, None]).any(-1).sum()
+                    stats["top1"][k], stats["topk"][k] = _top_hits(logits, label, self.top_k)
                 else:  # the rank of the label among the head's logits, for the sparse tree
                     rank = (logits > logits.gather(-1, label[:, None])).sum(-1)  # (M,)
                     stats["top1"][k] = (rank == 0).sum()
@@ -230,15 +239,7 @@ class EagleObjective(nn.Module):
         state.update({f"drafter.{n}": b for n, b in self.drafter.named_buffers() if n in keys})
         return state
 
-    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        mine = self.trainable_state_dict()
-        if set(mine) != set(state) or any(mine[n].shape != state[n].shape for n in mine):
-            missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
-            raise SelfdraftError(f"checkpoint does not fit this run's drafter: missing {missing[:4]}, unexpected {unexpected[:4]}")
-        with torch.no_grad():
-            for n, tensor in self.state_dict(keep_vars=True).items():
-                if n in state:
-                    tensor.copy_(state[n])
+    load_trainable_state_dict = _load_trainable
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor):
         from transformers import DynamicCache
@@ -303,11 +304,9 @@ class EagleObjective(nn.Module):
 
     def _stats(self, stats, k, loss, logits, label, m) -> None:
         with torch.no_grad():
-            top = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).indices
             stats["head_loss"][k] = loss.detach() * m
             stats["head_tokens"][k] = m
-            stats["top1"][k] = (top[:, 0] == label).sum()
-            stats["topk"][k] = (top == label[:, None]).any(-1).sum()
+            stats["top1"][k], stats["topk"][k] = _top_hits(logits, label, self.top_k)
 
 
 def build_objective(config: RunConfig, target_model: nn.Module, train_data=None) -> nn.Module:
