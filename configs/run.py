@@ -148,6 +148,9 @@ class TrainConfig:
     wandb_mode: Literal["offline", "online"] = "offline"
     num_threads: int = 0
     """torch CPU threads per process; 0 leaves torch's default."""
+    features: str = ""
+    """A feature cache written by ``selfdraft features`` for this run's data and target, streamed
+    instead of running the target in every step; empty computes the target's features online."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,8 @@ class RunConfig:
             (self.data.max_length >= 4, "data.max_length must be >= 4"),
             (self.drafter.eagle.ttt_steps >= 1 and 0 < self.drafter.eagle.step_decay <= 1,
              "drafter.eagle needs ttt_steps >= 1 and step_decay in (0, 1]"),
+            (not (t.features and self.drafter.kind == "medusa" and m.lora.rank > 0),
+             "train.features: Medusa-2 trains the target (LoRA), so its features cannot be precomputed"),
             (self.drafter.eagle.draft_vocab_size >= 2, "drafter.eagle.draft_vocab_size must be >= 2"),
             (min(self.drafter.eagle.tree_depth, self.drafter.eagle.tree_top_k, self.drafter.eagle.tree_nodes) >= 1,
              "drafter.eagle tree_depth, tree_top_k and tree_nodes must be >= 1"),

@@ -182,6 +182,38 @@ def _run_train(args) -> int:
     return 0
 
 
+def _add_features(sub) -> None:
+    p = sub.add_parser("features", help="precompute a run's target features to a sharded on-disk cache",
+                       description="Run the frozen target once over a run's data and store the hidden states its "
+                       "drafter trains on (safetensors shards; rerun to resume). Train from them with "
+                       "train.features=DIR: the same batches as computing them online, without the target's forward.")
+    p.add_argument("--config", required=True, help="the run config (a YAML file or a preset name) the cache is for")
+    p.add_argument("--out", default=None, help="cache folder (default: the run folder's features/)")
+    p.add_argument("--max-gb", type=float, default=20.0, help="refuse to start when the cache would be larger (default 20)")
+    p.add_argument("--dtype", default="auto", help="auto (the target's dtype: bit-identical batches), float32, bfloat16")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="cache only the training examples the first N optimizer steps visit (default: all)")
+    p.add_argument("--processes", type=_positive_int, default=1, help="processes the run will train with (sets the visit order)")
+    p.add_argument("--layers", default=None, help="comma-separated hidden_states indices (default: those the run's drafter needs)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of the run config, as for `selfdraft train`")
+    p.set_defaults(func=_run_features)
+
+
+def _run_features(args) -> int:
+    from selfdraft.configs.run import load_run_config
+    from selfdraft.train.features import write_features
+
+    try:
+        layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    except ValueError:
+        raise SelfdraftError(f"--layers {args.layers!r}: give comma-separated integers, e.g. 2,15,27,30") from None
+    config = load_run_config(args.config, args.overrides)
+    out = write_features(config, args.out, max_gb=args.max_gb, dtype=args.dtype, steps=args.steps,
+                         processes=args.processes, layers=layers)
+    print(f"wrote target features to {out}; train from them with train.features={out}")
+    return 0
+
+
 def _add_distill(sub) -> None:
     from selfdraft.train.distill import DistillConfig
 
@@ -225,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_train(sub)
     _add_distill(sub)
+    _add_features(sub)
     _add_export(sub)
     return parser
 

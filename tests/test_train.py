@@ -334,3 +334,84 @@ def test_eagle_runs_train_resume_export_and_decode_exactly(tiny_target, tmp_path
     assert main(["generate", "--target", str(tiny_target), "--drafter", str(tmp_path / "engine"), "--prompt", "Tell me a story",
                  "--chat", "--max-new-tokens", "24", "--json", "--eagle-tree", "3,2,4"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == runs["none"]["token_ids"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Precomputed target features
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_cached_features_give_the_same_batches_and_the_same_run(tiny_target, tmp_path, kind):
+    from safetensors.torch import load_file
+
+    from selfdraft.train.features import FeatureCache, open_feature_cache, target_features, write_features
+    from selfdraft.train.loop import make_batch, prepare_data
+
+    def config(out, *more):
+        return tiny_config(tiny_target, out, f"drafter.kind={kind}", "drafter.eagle.draft_vocab_size=512",
+                           "train.max_steps=3", *more)
+
+    cache_dir = tmp_path / "features"
+    # Interrupted after one shard, then resumed: the finished shard is kept, not rewritten.
+    write_features(config(tmp_path / "cached"), cache_dir, shard_tokens=300, stop_after_shards=1)
+    first = cache_dir / "train" / "shard-00000.safetensors"
+    stamp = first.stat().st_mtime_ns
+    with pytest.raises(SelfdraftError, match="unfinished"):
+        train(config(tmp_path / "cached", f"train.features={cache_dir}"))
+    write_features(config(tmp_path / "cached"), cache_dir, shard_tokens=300)
+    assert first.stat().st_mtime_ns == stamp and len(list((cache_dir / "train").glob("shard-*"))) > 1
+    assert load_file(first)["features"].dtype == torch.float32
+
+    online = train(config(tmp_path / "online"))
+    cached_config = config(tmp_path / "cached", f"train.features={cache_dir}")
+    cached = train(cached_config)
+    # The same batches: every train and eval example's cached features equal the online ones.
+    from selfdraft.heads.target import load_target
+
+    target = load_target(str(tiny_target))
+    cache = open_feature_cache(cached_config, target, online.objective.feature_layers)
+    from accelerate import Accelerator
+
+    train_data, eval_data = prepare_data(cached_config, target.tokenizer, tmp_path / "cached" / "data", Accelerator(cpu=True))
+    for split, data in (("train", train_data), ("eval", eval_data)):
+        for start in range(0, len(data), 3):
+            idx = list(range(start, min(start + 3, len(data))))
+            batch = make_batch(data, idx, 0, "cpu", cache, split)
+            want = target_features(target.model, batch["input_ids"], batch["attention_mask"], online.objective.feature_layers)
+            assert torch.equal(batch["features"], want)
+    # ... hence the same run: bit-identical drafter and metrics.
+    a, b = online.objective.trainable_state_dict(), cached.objective.trainable_state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    metrics = [(tmp_path / run / "metrics.jsonl").read_text().splitlines() for run in ("online", "cached")]
+    strip = [[{k: v for k, v in json.loads(line).items() if k != "tokens_per_second"} for line in m] for m in metrics]
+    assert strip[0] == strip[1]
+    assert isinstance(cache, FeatureCache)
+
+
+def test_feature_cache_errors_are_clear_and_write_nothing(tiny_target, tmp_path, capsys):
+    from selfdraft.cli import main
+    from selfdraft.train.features import write_features
+
+    config = tiny_config(tiny_target, tmp_path / "run")
+    with pytest.raises(SelfdraftError, match=r"needs 0\.\d+ GB, more than --max-gb 1e-06"):
+        write_features(config, tmp_path / "small", max_gb=1e-6)
+    assert not (tmp_path / "small").exists()
+    capsys.readouterr()
+    # The CLI prints the disk use before it starts; --steps caches only what 2 steps visit.
+    assert main(["features", "--config", "smoke_cpu", "--out", str(tmp_path / "two"), "--steps", "2",
+                 f"target.spec={tiny_target}", f"train.output_dir={tmp_path / 'run'}", "data.max_conversations=24",
+                 "data.max_length=64", "data.eval_fraction=0.2", "train.micro_batch_size=2", "train.grad_accum=1"]) == 0
+    out = capsys.readouterr().out
+    assert "4 train + 2 eval conversations" in out and "GB (" in out and "train.features=" in out
+    with pytest.raises(SelfdraftError, match=r"train examples this run visits are not in .*--steps"):
+        train(tiny_config(tiny_target, tmp_path / "a", f"train.features={tmp_path / 'two'}"))
+    with pytest.raises(SelfdraftError, match=r"other data \(data\.max_length differ"):
+        train(tiny_config(tiny_target, tmp_path / "b", "data.max_length=48", f"train.features={tmp_path / 'two'}"))
+    with pytest.raises(SelfdraftError, match=r"holds layers \[2\], this run needs \[2, 1, 2, 2\]"):
+        train(tiny_config(tiny_target, tmp_path / "c", "drafter.kind=eagle3", f"train.features={tmp_path / 'two'}"))
+    with pytest.raises(SelfdraftError, match="other settings"):
+        write_features(config, tmp_path / "two", dtype="bfloat16")
+    with pytest.raises(SelfdraftError, match="not a feature cache"):
+        train(tiny_config(tiny_target, tmp_path / "d", f"train.features={tmp_path}"))
+    with pytest.raises(SelfdraftError, match="Medusa-2 trains the target"):
+        load_run_config("medusa2_smollm2", ["train.features=x"])

@@ -40,7 +40,7 @@ from selfdraft.train import checkpoint as ckpt
 # or only extend it).
 RESUMABLE_CHANGES = {"train.max_steps", "train.eval_every", "train.eval_batches", "train.save_every",
                      "train.keep_last", "train.log_every", "train.report_to", "train.wandb_project",
-                     "train.wandb_mode", "train.num_threads"}
+                     "train.wandb_mode", "train.num_threads", "train.features"}
 
 
 class TrainingDiverged(SelfdraftError):
@@ -73,14 +73,20 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def data_key(config: RunConfig, tokenizer) -> dict[str, Any]:
+    """What the rendered train/eval split is a function of."""
+    from selfdraft.heads.target import tokenizer_fingerprint
+
+    return {"data": to_dict(config.data), "tokenizer": tokenizer_fingerprint(tokenizer)}
+
+
 def prepare_data(config: RunConfig, tokenizer, folder: pathlib.Path, accelerator) -> tuple[list, list]:
     """Render (or reload) the train/eval split; returns lists of (input_ids, loss_mask) int arrays."""
     import datasets
 
-    from selfdraft.heads.target import tokenizer_fingerprint
     from selfdraft.train.data import build_datasets
 
-    key = {"data": to_dict(config.data), "tokenizer": tokenizer_fingerprint(tokenizer)}
+    key = data_key(config, tokenizer)
     marker = folder / "fingerprint.json"
     if accelerator.is_main_process:
         fresh = not (marker.is_file() and json.loads(marker.read_text()) == key)
@@ -131,6 +137,14 @@ def collate(examples: list[tuple[np.ndarray, np.ndarray]], pad_id: int, device) 
             (("input_ids", ids), ("attention_mask", attn), ("loss_mask", mask))}
 
 
+def make_batch(data: list, indices: list[int], pad_id: int, device, cache=None, split: str = "train") -> dict[str, torch.Tensor]:
+    """``collate`` of ``data[indices]``, plus their precomputed target features from ``cache``."""
+    batch = collate([data[i] for i in indices], pad_id, device)
+    if cache is not None:
+        batch["features"] = cache.batch(split, indices, batch["input_ids"].shape[1], device)
+    return batch
+
+
 # ----------------------------------------------------------------------------------------------
 # Schedule, evaluation, export
 
@@ -152,7 +166,8 @@ def _add_stats(total: dict | None, stats: dict) -> dict:
 
 
 @torch.no_grad()
-def evaluate(objective, eval_data: list, config: RunConfig, accelerator, pad_id: int) -> tuple[dict[str, float], torch.Tensor]:
+def evaluate(objective, eval_data: list, config: RunConfig, accelerator, pad_id: int,
+             cache=None) -> tuple[dict[str, float], torch.Tensor]:
     """Per-head loss and top-1/top-k accuracy on the held-out split, summed over processes.
 
     Returns (metrics, rank accuracy (K, R)) where rank accuracy feeds the sparse tree."""
@@ -168,13 +183,13 @@ def evaluate(objective, eval_data: list, config: RunConfig, accelerator, pad_id:
         mine = mine[: config.train.eval_batches]
     total = None
     for b in mine:
-        batch = collate(eval_data[b * mb:(b + 1) * mb], pad_id, accelerator.device)
+        batch = make_batch(eval_data, list(range(b * mb, min((b + 1) * mb, len(eval_data)))), pad_id,
+                           accelerator.device, cache, "eval")
         with accelerator.autocast():
             _, stats = model(**batch)
         total = _add_stats(total, stats)
     if total is None:  # this process had no batch: contribute zeros of the right shapes
-        batch = collate(eval_data[:1], pad_id, accelerator.device)
-        _, stats = model(**batch)
+        _, stats = model(**make_batch(eval_data, [0], pad_id, accelerator.device, cache, "eval"))
         total = {k: torch.zeros_like(v) for k, v in stats.items()}
     total = {k: accelerator.reduce(v, reduction="sum") for k, v in sorted(total.items())}
     model.train(was_training)
@@ -291,6 +306,16 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
 
     objective = build_objective(config, target.model, train_data)
     objective.to(accelerator.device)
+    cache = None
+    if t.features:
+        from selfdraft.train.features import open_feature_cache
+
+        cache = open_feature_cache(config, target, objective.feature_layers)
+        G = t.micro_batch_size * t.grad_accum * world
+        cache.check_covers("train", {stream_index(p, len(train_data), t.seed) for p in range(t.max_steps * G)})
+        cache.check_covers("eval", range(len(eval_data)))
+        if main:
+            print(f"streaming the target's features from {t.features}")
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -369,7 +394,8 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
         step_stats = None
         for micro in range(t.grad_accum):
             positions = batch_positions(step, micro, rank, micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, world=world)
-            batch = collate([train_data[stream_index(p, len(train_data), t.seed)] for p in positions], pad_id, accelerator.device)
+            batch = make_batch(train_data, [stream_index(p, len(train_data), t.seed) for p in positions], pad_id,
+                               accelerator.device, cache)
             with accelerator.accumulate(model), accelerator.autocast():
                 loss, stats = model(**batch)
                 finite = accelerator.reduce(torch.isfinite(loss.detach()).float().reshape(1), reduction="sum")
@@ -408,7 +434,7 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
             progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", top1=f"{metrics.get('train/top1/head0', 0):.2f}")
             _log(accelerator, out, done, metrics, t.report_to != "none")
         if (t.eval_every and done % t.eval_every == 0) or done == t.max_steps:
-            last_eval, rank_acc = evaluate(model, eval_data, config, accelerator, pad_id)
+            last_eval, rank_acc = evaluate(model, eval_data, config, accelerator, pad_id, cache)
             _log(accelerator, out, done, last_eval, t.report_to != "none")
             if main:
                 progress.write(f"step {done}: " + ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in last_eval.items()

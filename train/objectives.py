@@ -1,12 +1,15 @@
 """Training objectives: the trainable module that the one loop optimises, and its loss.
 
-An objective is an ``nn.Module`` holding the target and the drafter. ``forward(batch)`` runs the
-target (under no_grad when it is frozen), the drafter's loss, and returns ``(loss, stats)`` where
+An objective is an ``nn.Module`` holding the target and the drafter. ``forward(batch)`` takes the
+target's features (``feature_layers`` of them) from the batch when they were precomputed, else runs
+the frozen target for them (``features.target_features``; Medusa-2 runs its LoRA-adapted target with
+gradients), computes the drafter's loss, and returns ``(loss, stats)`` where
 ``stats`` holds *sums* (per-head loss x tokens, top-1/top-k hits, rank hits, token counts), so that
 micro batches and processes aggregate exactly by adding them up.
 
 Batch layout (right-padded): ``input_ids`` (B, T) long, ``attention_mask`` (B, T) long,
-``loss_mask`` (B, T) long, 1 on assistant tokens.
+``loss_mask`` (B, T) long, 1 on assistant tokens; optional ``features`` (B, T, layers, H), zeros on
+padding.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch.nn import functional as F
 from selfdraft.configs.run import MedusaConfig, RunConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.heads.medusa import MedusaHeads
+from selfdraft.train.features import feature_layers, target_features
 
 
 def _zero_loss(module: nn.Module) -> torch.Tensor:
@@ -77,6 +81,7 @@ class MedusaObjective(nn.Module):
                 for head in self.heads.lm_heads:
                     head.weight.data.copy_(weight.detach().float())
         self.heads.float()
+        self.feature_layers = feature_layers("medusa", cfg.num_hidden_layers)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The parameters being trained (heads, plus LoRA weights in Medusa-2), by name."""
@@ -87,14 +92,21 @@ class MedusaObjective(nn.Module):
     def _lm_head(self) -> nn.Module:
         return self.target.get_output_embeddings()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                features: torch.Tensor | None = None):
         cfg = self.config
-        grad_target = self.lora and torch.is_grad_enabled()
-        with torch.set_grad_enabled(grad_target):
-            out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        hidden = out.hidden_states[-1]  # (B, T, D): final normed state, lm_head(hidden) == logits
-        target_logits = out.logits  # (B, T, V)
         lm_head = self._lm_head()
+        if self.lora:  # Medusa-2: the adapted target runs with gradients, its features are not fixed
+            if features is not None:
+                raise SelfdraftError("Medusa-2 trains the target: precomputed features do not apply")
+            out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+            hidden, target_logits = out.hidden_states[-1], out.logits  # (B, T, D), (B, T, V)
+        else:
+            if features is None:
+                features = target_features(self.target, input_ids, attention_mask, self.feature_layers)
+            hidden = features[:, :, -1]  # (B, T, D): final normed state, lm_head(hidden) == logits
+            with torch.no_grad():
+                target_logits = lm_head(hidden.to(lm_head.weight.dtype))  # (B, T, V)
         heads_dtype = next(self.heads.parameters()).dtype
         B, T = input_ids.shape
         K = cfg.num_heads
@@ -231,6 +243,7 @@ class EagleObjective(nn.Module):
                 if final_norm is not None and hasattr(final_norm, "weight"):
                     self.drafter.norm.weight.copy_(final_norm.weight.float())
         self.steps = 1 if kind == "eagle" else config.ttt_steps
+        self.feature_layers = feature_layers(kind, text.num_hidden_layers, self.drafter.dims.get("aux_layers", ()))
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Trained parameters plus the drafter's persistent buffers (EAGLE-3's d2t/t2d maps)."""
@@ -241,12 +254,14 @@ class EagleObjective(nn.Module):
 
     load_trainable_state_dict = _load_trainable
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                features: torch.Tensor | None = None):
         from transformers import DynamicCache
 
         cfg = self.config
-        with torch.no_grad():
-            out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        if features is None:
+            features = target_features(self.target, input_ids, attention_mask, self.feature_layers)
+        lm_head = self.target.get_output_embeddings()
         B, T = input_ids.shape
         L = T - 1  # pair positions t = 0..T-2: (feature at t, token t+1)
         device, dtype = input_ids.device, next(self.drafter.parameters()).dtype
@@ -260,9 +275,10 @@ class EagleObjective(nn.Module):
         mask = (loss_mask.bool() & attention_mask.bool())[:, 2:]  # (B, T-2): token t+2 is an assistant token
         embeds = self.target.get_input_embeddings()(input_ids[:, 1:]).detach().to(dtype)  # (B, L, H)
         positions = torch.arange(L, device=device)[None].expand(B, L)
-        target_logits = out.logits[:, 1:T - 1].detach().float()  # (B, T-2, V): the target's view of token t+2
+        with torch.no_grad():  # (B, T-2, V): the target's view of token t+2
+            target_logits = lm_head(features[:, 1:T - 1, -1].to(lm_head.weight.dtype)).float()
         if self.kind == "eagle":
-            feats = out.hidden_states[-1].detach().to(dtype)  # (B, T, H) final normed features
+            feats = features[:, :, -1].to(dtype)  # (B, T, H) final normed features
             x = feats[:, :-1]
             if self.training and cfg.feature_noise > 0:
                 x = x + (torch.rand_like(x) * 2 - 1) * cfg.feature_noise
@@ -272,14 +288,14 @@ class EagleObjective(nn.Module):
                 return loss, stats
             p_hat, f_true = pred[mask], feats[:, 1:T - 1][mask]  # (M, H)
             reg = F.smooth_l1_loss(p_hat, f_true)
-            logits = self.drafter.logits(p_hat, self.target.get_output_embeddings()).float()  # (M, V)
+            logits = self.drafter.logits(p_hat, lm_head).float()  # (M, V)
             log_p = F.log_softmax(target_logits[mask], dim=-1)
             kl = F.cross_entropy(logits, log_p.exp()) + (log_p.exp() * log_p).sum(-1).mean()
             loss = cfg.regression_weight * reg + cfg.kl_weight * kl
             self._stats(stats, 0, kl, logits, log_p.argmax(-1), m)
             return loss, stats
         # EAGLE-3: fused features of three layers, unrolled on its own outputs.
-        aux = torch.cat([out.hidden_states[i] for i in self.drafter.aux_layers], dim=-1)[:, :-1].detach().to(dtype)
+        aux = features[:, :-1, :-1].flatten(2).to(dtype)  # (B, L, 3H): the aux layers side by side
         feature = self.drafter.fuse(aux)  # (B, L, H)
         draft_ids = self.drafter.draft_to_target()  # (V',)
         log_p_all = F.log_softmax(target_logits[..., draft_ids], dim=-1)  # (B, T-2, V') renormalised on V'

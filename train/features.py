@@ -1,0 +1,294 @@
+"""The target's features for training: computed online in every step, or precomputed once to disk.
+
+A drafter learns from the target's hidden states: the final normed state (Medusa, EAGLE-1; the
+target's logits are its LM head applied to it) and, for EAGLE-3, three inner layers. The target is
+frozen, so these states are a pure function of the conversation. ``target_features`` runs the
+target on each conversation of a batch on its own, unpadded, so a conversation's features never
+depend on which others share its batch. ``selfdraft features`` writes the same tensors to a sharded
+cache and a run with ``train.features=DIR`` streams them instead of running the target: both
+paths give the same training batches, bit for bit when the cache keeps the target's dtype
+(``--dtype bfloat16`` halves the disk and rounds the features).
+
+Layout of a cache folder::
+
+    features.json                     what it holds: target, rendered data, layers, dtype, the plan
+    train/shard-00000.safetensors     features (tokens, layers, hidden), offsets (n + 1,) int64,
+    ...                               examples (n,) int64: example indices of the rendered split
+    eval/shard-00000.safetensors
+
+The plan (which examples go in which shard) is fixed before the first shard is written; shards
+are written atomically, one at a time, so a rerun with the same settings skips the finished ones.
+With ``--steps N`` only the training examples that the first N optimizer steps visit are cached
+(the data order is a pure function of the seed, see ``loop.stream_index``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+from typing import Any
+
+import torch
+
+from selfdraft.errors import SelfdraftError
+
+MANIFEST = "features.json"
+FORMAT_VERSION = 1
+
+
+def feature_layers(kind: str, num_layers: int, aux_layers: list[int] | tuple[int, ...] = ()) -> list[int]:
+    """The ``hidden_states`` indices a drafter kind trains on; the last one is always the final
+    normed state (index ``num_layers``), from which the target's logits are recomputed."""
+    if kind == "eagle3":
+        from selfdraft.heads.eagle import default_aux_layers
+
+        aux = [i + num_layers + 1 if i < 0 else i for i in (list(aux_layers) or default_aux_layers(num_layers))]
+        if not all(0 <= i <= num_layers for i in aux):
+            raise SelfdraftError(f"EAGLE-3 aux layers {aux} out of range for a target with {num_layers} layers")
+        return [*aux, num_layers]
+    return [num_layers]
+
+
+def run_feature_layers(config, target_model) -> list[int]:
+    """``feature_layers`` for a run config and its target."""
+    text = target_model.config.get_text_config()
+    return feature_layers(config.drafter.kind, text.num_hidden_layers, config.drafter.eagle.aux_layers)
+
+
+@torch.no_grad()
+def target_features(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    layers: list[int]) -> torch.Tensor:
+    """(B, T, len(layers), H) hidden states of a right-padded batch, zeros on padding.
+
+    Each row runs through the target alone and unpadded (the LM head on its last position only),
+    which makes its features independent of the batch it is in."""
+    B, T = input_ids.shape
+    out: torch.Tensor | None = None
+    for b, n in enumerate(attention_mask.sum(1).tolist()):
+        if n == 0:
+            continue
+        states = model(input_ids=input_ids[b:b + 1, :n], output_hidden_states=True, use_cache=False,
+                       logits_to_keep=1).hidden_states
+        row = torch.stack([states[i][0] for i in layers], dim=1)  # (n, layers, H)
+        if out is None:
+            out = row.new_zeros(B, T, len(layers), row.shape[-1])
+        out[b, :n] = row
+    if out is None:
+        raise SelfdraftError("a batch without a single token")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing a cache
+
+
+def _visited(n: int, steps: int, global_batch: int, seed: int) -> list[int]:
+    """Training example indices the first ``steps`` optimizer steps visit, in first-visit order."""
+    from selfdraft.train.loop import stream_index
+
+    seen: dict[int, None] = {}
+    for position in range(steps * global_batch):
+        seen.setdefault(stream_index(position, n, seed), None)
+    return list(seen)
+
+
+def _chunks(indices: list[int], lengths: list[int], shard_tokens: int) -> list[list[int]]:
+    shards, current, tokens = [], [], 0
+    for i in indices:
+        current.append(i)
+        tokens += lengths[i]
+        if tokens >= shard_tokens:
+            shards.append(current)
+            current, tokens = [], 0
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _diff(old: dict, new: dict) -> list[str]:
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def write_features(config, out: str | os.PathLike | None = None, *, max_gb: float = 20.0, dtype: str = "auto",
+                   steps: int | None = None, processes: int = 1, shard_tokens: int = 1 << 16,
+                   layers: list[int] | None = None, stop_after_shards: int | None = None) -> pathlib.Path:
+    """Precompute the target's features for ``config``'s data into ``out`` (default: the run folder's
+    ``features/``); see the module docstring. ``steps`` limits the training split to the examples
+    the first ``steps`` optimizer steps visit with ``processes`` processes. Raises before writing
+    anything when the cache would take more than ``max_gb`` GB or more than the free disk space.
+    ``stop_after_shards`` stops early (as an interruption would), for tests."""
+    from accelerate import Accelerator
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    from selfdraft.heads.target import load_target
+    from selfdraft.train.loop import data_key, prepare_data
+
+    t = config.train
+    run_dir = pathlib.Path(t.output_dir)
+    out = pathlib.Path(out) if out is not None else run_dir / "features"
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    target = load_target(config.target.spec, dtype=config.target.dtype, device=str(accelerator.device),
+                         trust_remote_code=config.target.trust_remote_code)
+    if target.tokenizer is None:
+        raise SelfdraftError(f"target {config.target.spec} has no tokenizer: its chat template renders the data")
+    text = target.model.config.get_text_config()
+    layers = sorted(set(layers) | {text.num_hidden_layers}) if layers else run_feature_layers(config, target.model)
+    if not all(0 <= i <= text.num_hidden_layers for i in layers):
+        raise SelfdraftError(f"layers {layers} out of range for a target with {text.num_hidden_layers} layers")
+    store = target.model.dtype if dtype == "auto" else getattr(torch, dtype, None)
+    if not isinstance(store, torch.dtype) or not store.is_floating_point:
+        raise SelfdraftError(f"--dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    train_data, eval_data = prepare_data(config, target.tokenizer, run_dir / "data", accelerator)
+    if not train_data:
+        raise SelfdraftError("the training split is empty: nothing to precompute")
+    train_idx = (_visited(len(train_data), steps, t.micro_batch_size * t.grad_accum * processes, t.seed)
+                 if steps else list(range(len(train_data))))
+    splits = {"train": (train_data, train_idx), "eval": (eval_data, list(range(len(eval_data))))}
+    plan = {name: _chunks(idx, [len(x) for x, _ in data], shard_tokens) for name, (data, idx) in splits.items()}
+    key: dict[str, Any] = {
+        "format": FORMAT_VERSION, "target": target.identity.to_dict(), "target_dtype": str(target.model.dtype),
+        "data": data_key(config, target.tokenizer), "layers": layers, "dtype": str(store).removeprefix("torch."),
+        "hidden_size": int(text.hidden_size),
+        "coverage": {"steps": steps, "global_batch": t.micro_batch_size * t.grad_accum * processes, "seed": t.seed},
+        "plan": plan,
+    }
+    manifest = out / MANIFEST
+    if manifest.is_file():
+        old = json.loads(manifest.read_text(encoding="utf-8"))
+        if old != key:
+            raise SelfdraftError(f"{out} holds a feature cache for other settings ({', '.join(_diff(old, key))} differ): "
+                                 "remove it or choose another --out")
+    tokens = {name: sum(len(data[i][0]) for i in idx) for name, (data, idx) in splits.items()}
+    per_token = len(layers) * text.hidden_size * store.itemsize
+    shard_path = {(name, s): out / name / f"shard-{s:05d}.safetensors" for name in plan for s in range(len(plan[name]))}
+    todo = [(name, s) for (name, s), path in shard_path.items() if not path.is_file()]
+    todo_tokens = sum(len(splits[name][0][i][0]) for name, s in todo for i in plan[name][s])
+    total_gb, todo_gb = sum(tokens.values()) * per_token / 1e9, todo_tokens * per_token / 1e9
+    free_gb = shutil.disk_usage(out.parent if not out.exists() else out).free / 1e9 if out.parent.exists() else float("inf")
+    print(f"feature cache {out}: {len(train_idx)} train + {len(eval_data)} eval conversations, "
+          f"{sum(tokens.values())} tokens x {len(layers)} layers {layers} x {text.hidden_size} in {key['dtype']}: "
+          f"{total_gb:.2f} GB ({todo_gb:.2f} GB left to write, {free_gb:.1f} GB free)")
+    if total_gb > max_gb:
+        raise SelfdraftError(f"the feature cache needs {total_gb:.2f} GB, more than --max-gb {max_gb:g}: raise --max-gb, "
+                             "store --dtype bfloat16 (half), cache fewer --steps or lower data.max_conversations")
+    if todo_gb > free_gb:
+        raise SelfdraftError(f"the feature cache needs {todo_gb:.2f} GB more and the disk has {free_gb:.1f} GB free")
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(key), encoding="utf-8")
+    os.replace(tmp, manifest)
+    progress = tqdm(total=todo_tokens, desc="target features", unit="tok", unit_scale=True)
+    device = accelerator.device
+    for written, (name, s) in enumerate(todo):
+        if stop_after_shards is not None and written >= stop_after_shards:
+            break
+        data = splits[name][0]
+        rows = []
+        for i in plan[name][s]:
+            ids = torch.from_numpy(data[i][0])[None].to(device)
+            rows.append(target_features(target.model, ids, torch.ones_like(ids), layers)[0].to(store).cpu())
+            progress.update(ids.shape[1])
+        offsets = torch.tensor([0] + [len(r) for r in rows]).cumsum(0)
+        path = shard_path[(name, s)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(".tmp")
+        save_file({"features": torch.cat(rows).contiguous(), "offsets": offsets,
+                   "examples": torch.tensor(plan[name][s], dtype=torch.int64)}, str(part))
+        os.replace(part, path)
+    progress.close()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a cache
+
+
+class FeatureCache:
+    """A finished feature cache, checked against the run that streams it."""
+
+    def __init__(self, folder: str | os.PathLike, *, identity, data: dict, layers: list[int]):
+        self.folder = pathlib.Path(folder)
+        manifest = self.folder / MANIFEST
+        if not manifest.is_file():
+            raise SelfdraftError(f"train.features: {self.folder} is not a feature cache (no {MANIFEST}); "
+                                 "write one with `selfdraft features --config ...`")
+        try:
+            self.key = json.loads(manifest.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise SelfdraftError(f"train.features: {manifest} is corrupt: {err}") from err
+        if self.key.get("format") != FORMAT_VERSION:
+            raise SelfdraftError(f"train.features: {self.folder} has format {self.key.get('format')}, this selfdraft reads {FORMAT_VERSION}")
+        from selfdraft.heads.target import TargetIdentity
+
+        cached = TargetIdentity.from_dict(self.key["target"])
+        wrong = identity.mismatches(cached) + ([f"target: {identity.name} here, {cached.name} in the cache"]
+                                               if cached.name != identity.name else [])
+        if wrong:
+            raise SelfdraftError(f"train.features: {self.folder} was computed with another target: {'; '.join(wrong)}")
+        if self.key["data"] != data:
+            raise SelfdraftError(f"train.features: {self.folder} was computed for other data "
+                                 f"({', '.join('data.' + k for k in _diff(self.key['data']['data'], data['data'])) or 'the tokenizer'} differ)")
+        missing = [i for i in layers if i not in self.key["layers"]]
+        if missing:
+            raise SelfdraftError(f"train.features: {self.folder} holds layers {self.key['layers']}, this run needs {layers}")
+        self.select = torch.tensor([self.key["layers"].index(i) for i in layers])
+        self._where: dict[str, dict[int, tuple[pathlib.Path, int]]] = {}
+        unfinished = []
+        for split, shards in self.key["plan"].items():
+            where = self._where.setdefault(split, {})
+            for s, examples in enumerate(shards):
+                path = self.folder / split / f"shard-{s:05d}.safetensors"
+                if not path.is_file():
+                    unfinished.append(path.name)
+                where.update({i: (path, j) for j, i in enumerate(examples)})
+        if unfinished:
+            raise SelfdraftError(f"train.features: {self.folder} is unfinished ({len(unfinished)} shards missing): "
+                                 "rerun the same `selfdraft features` command to complete it")
+        self._open: dict[pathlib.Path, tuple[Any, torch.Tensor]] = {}
+
+    def check_covers(self, split: str, indices) -> None:
+        """Raise unless every example index of ``split`` in ``indices`` is cached."""
+        where = self._where.get(split, {})
+        absent = [i for i in indices if i not in where]
+        if absent:
+            cov = self.key["coverage"]
+            raise SelfdraftError(f"train.features: {len(absent)} {split} examples this run visits are not in {self.folder} "
+                                 f"(it covers {cov['steps'] or 'all'} steps of global batch {cov['global_batch']}, seed "
+                                 f"{cov['seed']}): rerun `selfdraft features` with --steps covering train.max_steps")
+
+    def get(self, split: str, index: int) -> torch.Tensor:
+        """(tokens, layers, H) features of example ``index`` of ``split``, the run's layers in order."""
+        from safetensors import safe_open
+
+        try:
+            path, j = self._where[split][index]
+        except KeyError:
+            self.check_covers(split, [index])
+            raise
+        if path not in self._open:
+            try:
+                handle = safe_open(str(path), framework="pt")
+                self._open[path] = (handle, handle.get_tensor("offsets"))
+            except Exception as err:  # safetensors raises its own error types for a damaged file
+                raise SelfdraftError(f"train.features: cannot read {path}: {err}") from err
+        handle, offsets = self._open[path]
+        a, b = int(offsets[j]), int(offsets[j + 1])
+        return handle.get_slice("features")[a:b].index_select(1, self.select)
+
+    def batch(self, split: str, indices: list[int], length: int, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(B, length, layers, H) right-padded features of several examples, as ``collate`` pads ids."""
+        rows = [self.get(split, i) for i in indices]
+        out = rows[0].new_zeros(len(rows), length, *rows[0].shape[1:])
+        for b, row in enumerate(rows):
+            out[b, : len(row)] = row
+        return out.to(device=device, dtype=dtype or out.dtype)
+
+
+def open_feature_cache(config, target, layers: list[int]) -> FeatureCache:
+    from selfdraft.train.loop import data_key
+
+    return FeatureCache(config.train.features, identity=target.identity, data=data_key(config, target.tokenizer),
+                        layers=layers)
