@@ -1,7 +1,11 @@
-"""Shared fixtures: the embedded target (converted once per machine, cached) and small model folders."""
+"""Shared fixtures: the embedded target (converted once per machine, cached), small model folders, and
+the statistical harness every sampling-exactness test uses (``law``)."""
 
+import itertools
 import os
+import types
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,3 +36,84 @@ def truncated_smollm2(embedded_fp32, tmp_path_factory):
     model.save_pretrained(folder)
     embedded_fp32.tokenizer.save_pretrained(folder)
     return folder
+
+
+# --- the statistical harness -----------------------------------------------------------------------
+
+def goodness_of_fit(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float, int]:
+    """(chi-square p-value, total variation distance, cells tested). Zero-probability cells must be
+    empty; cells with expected count < 5 are pooled into one (grown to >= 5 if needed)."""
+    from scipy import stats
+
+    n = int(counts.sum())
+    impossible = counts[probs == 0]
+    assert impossible.sum() == 0, f"{impossible.sum()} samples fell on continuations of probability 0"
+    tv = 0.5 * float(np.abs(counts / n - probs).sum())
+    support = probs > 0
+    obs, exp = counts[support].astype(float), n * probs[support]
+    order = np.argsort(exp)
+    obs, exp = obs[order], exp[order]
+    small = int(np.searchsorted(exp, 5.0))  # exp is ascending: the first `small` cells are < 5
+    if small:
+        cut = small
+        while cut < exp.size and exp[:cut].sum() < 5.0:
+            cut += 1
+        obs = np.concatenate([[obs[:cut].sum()], obs[cut:]])
+        exp = np.concatenate([[exp[:cut].sum()], exp[cut:]])
+    exp *= obs.sum() / exp.sum()  # float rounding only
+    pvalue = float(stats.chisquare(obs, exp).pvalue)
+    return pvalue, tv, obs.size
+
+
+def sequence_law(model, prompt, n_new: int, config) -> np.ndarray:
+    """(V^n_new,) exact probability of each continuation of ``prompt`` by a causal LM sampled with
+    ``config``'s temperature / top-k / top-p: the product of its processed conditionals, indexed by
+    ``np.ravel_multi_index`` of the tokens."""
+    import torch
+
+    from selfdraft.inference.verify import target_probs
+
+    vocab = model.config.vocab_size
+    memo: dict[tuple[int, ...], np.ndarray] = {}
+
+    def conditional(context: tuple[int, ...]) -> np.ndarray:
+        if context not in memo:
+            with torch.no_grad():
+                logits = model(torch.tensor([context])).logits[0, -1:].float()
+            memo[context] = target_probs(logits, config.temperature, config.top_k, config.top_p)[0].double().numpy()
+        return memo[context]
+
+    probs = np.zeros(vocab ** n_new)
+    for index, cont in enumerate(itertools.product(range(vocab), repeat=n_new)):  # row-major order
+        p = 1.0
+        for j in range(n_new):
+            p *= conditional(tuple(prompt) + cont[:j])[cont[j]]
+            if p == 0.0:
+                break
+        probs[index] = p
+    assert abs(probs.sum() - 1.0) < 1e-6
+    return probs
+
+
+def sampled_law(make_session, drafter, prompt, n_new: int, config, runs: int, vocab: int) -> tuple[np.ndarray, int]:
+    """Counts of the continuations of ``runs`` independent runs of the full decoding loop (seed i for
+    run i), indexed as ``sequence_law``, and the number of draft tokens they accepted."""
+    import dataclasses
+
+    from selfdraft.inference.decode import speculative_decode
+
+    counts, accepted = np.zeros(vocab ** n_new, dtype=np.int64), 0
+    for seed in range(runs):
+        out = speculative_decode(make_session(), list(prompt), drafter, dataclasses.replace(config, seed=seed))
+        assert len(out.token_ids) == n_new, out
+        counts[np.ravel_multi_index(tuple(out.token_ids), (vocab,) * n_new)] += 1
+        accepted += n_new - out.stats.target_forwards
+    return counts, accepted
+
+
+@pytest.fixture(scope="session")
+def law():
+    """The exactness harness: ``law.exact(model, prompt, n_new, config)`` is the exact law of the
+    continuations, ``law.sample(make_session, drafter, prompt, n_new, config, runs, vocab)`` draws
+    them through the decoding loop, ``law.goodness_of_fit(counts, probs)`` is the chi-square test."""
+    return types.SimpleNamespace(exact=sequence_law, sample=sampled_law, goodness_of_fit=goodness_of_fit)

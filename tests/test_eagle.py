@@ -113,16 +113,9 @@ def test_a_drafter_for_another_target_is_refused(target):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_eagle_sampling_has_the_target_distribution(kind):
+def test_eagle_sampling_has_the_target_distribution(kind, law):
     """Exact law of 3 new tokens (T=0.8, top-p 0.9) against 3,000 runs of the full loop with a dynamic
-    tree: chi-square over pooled cells (the shared harness of the decoder tests)."""
-    import itertools
-    from collections import Counter
-
-    from scipy import stats
-
-    from selfdraft.inference.verify import target_probs
-
+    tree: the shared chi-square harness of the decoder tests."""
     vocab, prompt, n_new, runs = 6, [1, 4, 2], 3, 3000
     torch.manual_seed(3)
     model = LlamaForCausalLM(LlamaConfig(
@@ -137,35 +130,11 @@ def test_eagle_sampling_has_the_target_distribution(kind):
             drafter.lm_head.weight.copy_(model.lm_head.weight[draft_ids])
     tree = EagleTreeDrafter(drafter.eval(), model, DynamicTreeConfig(depth=3, top_k=2, max_nodes=5))
     cfg = DecodeConfig(max_new_tokens=n_new, temperature=0.8, top_p=0.9, stop_on_eos=False)
-
-    def probs(ctx):
-        with torch.no_grad():
-            return target_probs(model(torch.tensor([ctx])).logits[0, -1:], cfg.temperature, cfg.top_k, cfg.top_p)[0]
-
-    exact = {}
-    for seq in itertools.product(range(vocab), repeat=n_new):
-        p = 1.0
-        for i, tok in enumerate(seq):
-            p *= float(probs(prompt + list(seq[:i]))[tok])
-        exact[seq] = p
-    counts, accepted = Counter(), 0
-    for seed in range(runs):
-        session = CausalLMSession(model, hidden_layers=tree.hidden_layers)
-        out = speculative_decode(session, prompt, tree, DecodeConfig(**{**cfg.__dict__, "seed": seed}))
-        counts[tuple(out.token_ids)] += 1
-        accepted += n_new - out.stats.target_forwards
-    assert set(counts) <= {s for s, p in exact.items() if p > 0}, "sampled a continuation of probability 0"
-    obs, exp, rest_o, rest_e = [], [], 0, 0.0
-    for s in sorted(exact, key=exact.get, reverse=True):
-        if exact[s] * runs >= 5:
-            obs.append(counts[s]); exp.append(exact[s] * runs)
-        else:
-            rest_o += counts[s]; rest_e += exact[s] * runs
-    if rest_e > 0:
-        obs.append(rest_o); exp.append(rest_e)
-    p_value = stats.chisquare(obs, exp).pvalue
+    counts, accepted = law.sample(lambda: CausalLMSession(model, hidden_layers=tree.hidden_layers),
+                                  tree, prompt, n_new, cfg, runs, vocab)
+    p_value, tv, cells = law.goodness_of_fit(counts, law.exact(model, prompt, n_new, cfg))
     assert accepted > runs // 10, f"too few accepted drafts ({accepted}) for the test to mean anything"
-    assert p_value > 1e-3, f"chi-square p = {p_value:.2e}: the sampler's law differs from the target's"
+    assert p_value > 1e-3, f"chi-square p = {p_value:.2e} over {cells} cells (TV {tv:.4f}): the sampler's law differs"
 
 
 @pytest.mark.slow

@@ -81,16 +81,9 @@ def test_medusa_greedy_matches_generate(target, choices):
 
 
 @pytest.mark.slow
-def test_medusa_sampling_has_the_target_distribution():
+def test_medusa_sampling_has_the_target_distribution(law):
     """Exact law of 3 new tokens (product of the target's conditionals at T=0.8, top-p 0.9) against
-    4,000 runs of the full loop with Medusa heads and the real session: chi-square, pooled cells."""
-    import itertools
-    from collections import Counter
-
-    from scipy import stats
-
-    from selfdraft.inference.verify import target_probs
-
+    4,000 runs of the full loop with Medusa heads and the real session: the shared chi-square harness."""
     vocab, prompt, n_new, runs = 6, [1, 4, 2], 3, 4000
     torch.manual_seed(3)
     model = LlamaForCausalLM(LlamaConfig(
@@ -103,39 +96,12 @@ def test_medusa_sampling_has_the_target_distribution():
         for p in heads.parameters():
             p.add_(0.3 * torch.randn_like(p))
     cfg = DecodeConfig(max_new_tokens=n_new, temperature=0.8, top_p=0.9, stop_on_eos=False)
-
-    def probs(ctx):
-        with torch.no_grad():
-            return target_probs(model(torch.tensor([ctx])).logits[0, -1:], cfg.temperature, cfg.top_k, cfg.top_p)[0]
-
-    exact = {}
-    for seq in itertools.product(range(vocab), repeat=n_new):
-        p = 1.0
-        for i, tok in enumerate(seq):
-            p *= float(probs(prompt + list(seq[:i]))[tok])
-        exact[seq] = p
     drafter = MedusaDrafter(heads, model, [(0,), (1,), (0, 0), (0, 1)])
-    counts = Counter()
-    accepted_drafts = 0
-    for seed in range(runs):
-        session = CausalLMSession(model, hidden_layers=drafter.hidden_layers)
-        out = speculative_decode(session, prompt, drafter, DecodeConfig(**{**cfg.__dict__, "seed": seed}))
-        counts[tuple(out.token_ids)] += 1
-        accepted_drafts += n_new - out.stats.target_forwards
-    assert set(counts) <= {s for s, p in exact.items() if p > 0}, "sampled a continuation of probability 0"
-    cells = sorted(exact, key=exact.get, reverse=True)
-    obs, exp, rest_o, rest_e = [], [], 0, 0.0
-    for s in cells:
-        if exact[s] * runs >= 5:
-            obs.append(counts[s]); exp.append(exact[s] * runs)
-        else:
-            rest_o += counts[s]; rest_e += exact[s] * runs
-    if rest_e > 0:
-        obs.append(rest_o); exp.append(rest_e)
-    exp = [e * sum(obs) / sum(exp) for e in exp]  # the pooled cells may not sum to the run count exactly
-    p_value = stats.chisquare(obs, exp).pvalue
+    counts, accepted_drafts = law.sample(lambda: CausalLMSession(model, hidden_layers=drafter.hidden_layers),
+                                         drafter, prompt, n_new, cfg, runs, vocab)
+    p_value, tv, cells = law.goodness_of_fit(counts, law.exact(model, prompt, n_new, cfg))
     assert accepted_drafts > runs * 0.2, "the heads' drafts were hardly ever accepted: the test would prove little"
-    assert p_value > 1e-3, f"chi-square p = {p_value:.2e} over {len(obs)} cells"
+    assert p_value > 1e-3, f"chi-square p = {p_value:.2e} over {cells} cells (TV {tv:.4f})"
 
 
 def test_typical_acceptance_is_opt_in_lossy_and_follows_its_threshold():

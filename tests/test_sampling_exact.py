@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from selfdraft.configs.decode import DecodeConfig
@@ -292,29 +291,6 @@ def sample_counts(make_session, drafter, sampling: Sampling, n: int, *, rule=sam
     return samples
 
 
-def goodness_of_fit(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float, int]:
-    """(chi-square p-value, total variation distance, cells tested). Zero-probability cells must be
-    empty; cells with expected count < 5 are pooled into one (grown to >= 5 if needed)."""
-    n = int(counts.sum())
-    impossible = counts[probs == 0]
-    assert impossible.sum() == 0, f"{impossible.sum()} samples fell on continuations of probability 0"
-    tv = 0.5 * float(np.abs(counts / n - probs).sum())
-    support = probs > 0
-    obs, exp = counts[support].astype(float), n * probs[support]
-    order = np.argsort(exp)
-    obs, exp = obs[order], exp[order]
-    small = int(np.searchsorted(exp, 5.0))  # exp is ascending: the first `small` cells are < 5
-    if small:
-        cut = small
-        while cut < exp.size and exp[:cut].sum() < 5.0:
-            cut += 1
-        obs = np.concatenate([[obs[:cut].sum()], obs[cut:]])
-        exp = np.concatenate([[exp[:cut].sum()], exp[cut:]])
-    exp *= obs.sum() / exp.sum()  # float rounding only
-    pvalue = float(stats.chisquare(obs, exp).pvalue)
-    return pvalue, tv, obs.size
-
-
 # --- fixtures ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module", autouse=True)
@@ -379,8 +355,8 @@ def test_target_probs_matches_transformers_warpers(target):
         torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12, msg=str(s))
 
 
-def _check(label: str, samples: Samples, probs: np.ndarray, elapsed: float) -> tuple[float, float]:
-    pvalue, tv = goodness_of_fit(samples.counts, probs)[:2]
+def _check(law, label: str, samples: Samples, probs: np.ndarray, elapsed: float) -> tuple[float, float]:
+    pvalue, tv = law.goodness_of_fit(samples.counts, probs)[:2]
     n = int(samples.counts.sum())
     depths = " ".join(f"d{d}:{samples.accepted[d]}/{samples.drafted[d]}" for d in sorted(samples.drafted))
     print(f"\n[{label}] n={n} chi2 p={pvalue:.3g} TV={tv:.4f} accepted/drafted {depths} ({elapsed:.1f} s)")
@@ -409,12 +385,12 @@ STUB_CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,sampling", STUB_CASES, ids=[f"{k}-{s}".replace(" ", ",") for k, s in STUB_CASES])
-def test_speculative_sampling_has_target_distribution(target, drafters, kind, sampling):
+def test_speculative_sampling_has_target_distribution(target, drafters, kind, sampling, law):
     n = 20_000
     probs = exact_distribution(target, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
     samples = sample_counts(lambda: TableSession(target), drafters[kind], sampling, n)
-    pvalue, tv = _check(f"{kind} {sampling}", samples, probs, time.perf_counter() - start)
+    pvalue, tv = _check(law, f"{kind} {sampling}", samples, probs, time.perf_counter() - start)
     assert pvalue > ALPHA, f"{kind} drafter, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
     _assert_exercised(samples, f"{kind} {sampling}")
 
@@ -440,7 +416,7 @@ def forgets_to_renormalise(probs, tokens, buffers, generator):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bug", ["min(1,p/q)", "no-renormalisation"])
-def test_biased_rule_is_detected(target, drafters, bug):
+def test_biased_rule_is_detected(target, drafters, bug, law):
     """The same test rejects biased rules, with a quarter of the samples the correct rule gets:
     min(1, p/q) over deterministic top-2 children (DESIGN.md's warning), and a walk that forgets
     to renormalise the residual."""
@@ -450,23 +426,23 @@ def test_biased_rule_is_detected(target, drafters, bug):
     probs = exact_distribution(target, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
     samples = sample_counts(lambda: TableSession(target), drafter, sampling, n, rule=rule)
-    pvalue, tv = _check(f"BIASED {bug} tree {sampling}", samples, probs, time.perf_counter() - start)
+    pvalue, tv = _check(law, f"BIASED {bug} tree {sampling}", samples, probs, time.perf_counter() - start)
     assert pvalue < REJECT, f"the biased rule {bug} passed: chi-square p-value {pvalue:.3g} >= {REJECT} (TV {tv:.4f}, n={n})"
 
 
 @pytest.mark.slow
-def test_real_session_has_target_distribution(target_model, target, drafters):
+def test_real_session_has_target_distribution(target_model, target, drafters, law):
     """The same check through CausalLMSession: KV cache, 4D tree mask, compaction after each step."""
     sampling, n = Sampling(1.0), 4_000
     probs = exact_distribution(target, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
     samples = sample_counts(lambda: CausalLMSession(target_model), drafters["tree"], sampling, n, seed0=10**6)
-    pvalue, tv = _check(f"CausalLMSession tree {sampling}", samples, probs, time.perf_counter() - start)
+    pvalue, tv = _check(law, f"CausalLMSession tree {sampling}", samples, probs, time.perf_counter() - start)
     assert pvalue > ALPHA, f"CausalLMSession, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
     _assert_exercised(samples, "CausalLMSession tree")
 
 
-def test_sample_verify_on_hand_made_tree():
+def test_sample_verify_on_hand_made_tree(law):
     """Exact law of (accepted path, bonus) on a 2-level tree with a zero-mass child and a duplicate
     sibling: the walk emits token after token as the rows of p prescribe (first token ~ p[0])."""
     v = 6
@@ -509,9 +485,9 @@ def test_sample_verify_on_hand_made_tree():
         counts[index[key]] += 1
         first[int(tree.tokens[accepted[0] - 1]) if accepted else bonus] += 1
 
-    pvalue, tv, _ = goodness_of_fit(counts, expected)
+    pvalue, tv, _ = law.goodness_of_fit(counts, expected)
     print(f"\n[sample_verify hand-made tree] n={n} (path, bonus) chi2 p={pvalue:.3g} TV={tv:.4f}", end="")
     assert pvalue > ALPHA, f"(path, bonus) law: chi-square p-value {pvalue:.3g} (TV {tv:.4f})"
-    pvalue, tv, _ = goodness_of_fit(first, probs[0].numpy())
+    pvalue, tv, _ = law.goodness_of_fit(first, probs[0].numpy())
     print(f"; first token chi2 p={pvalue:.3g} TV={tv:.4f}")
     assert pvalue > ALPHA, f"first token vs p[0]: chi-square p-value {pvalue:.3g} (TV {tv:.4f})"
