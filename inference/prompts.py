@@ -54,3 +54,62 @@ def humaneval_prompts(limit: int | None = None) -> list[Prompt]:
         rows = [json.loads(line) for line in f if line.strip()]
     prompts = [Prompt(r["task_id"], r["prompt"], False, "coding") for r in rows]
     return prompts[:limit]
+
+
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+def round_robin(prompts: list[Prompt], limit: int | None = None) -> list[Prompt]:
+    """Up to ``limit`` prompts taken in turn from each category (first of each category, then the
+    second of each, ...), so that a small subset still covers every category."""
+    by_category: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    columns = list(by_category.values())
+    picked = [column[i] for i in range(max(map(len, columns), default=0)) for column in columns if i < len(column)]
+    return picked[:limit]
+
+
+def jsonl_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
+    """Prompts from a JSONL file: one object per line with ``prompt`` (a non-empty string), optional
+    ``id`` (string or integer; default ``<file stem>/<line>``) and optional ``chat`` (bool, default
+    true: a user turn for the chat template; false: raw text to continue). Blank lines are skipped;
+    anything else that is not such an object is an error naming the file and line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise SelfdraftError(f"cannot read the prompts file {path}: {err}") from err
+    prompts: list[Prompt] = []
+    seen: set[str] = set()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SelfdraftError(f"{where} is not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise SelfdraftError(f"{where}: expected a JSON object with a \"prompt\" string, got {type(row).__name__}")
+        unknown = sorted(set(row) - {"prompt", "id", "chat"})
+        if unknown:
+            raise SelfdraftError(f"{where}: unknown keys {unknown}; a line holds \"prompt\" and optionally \"id\" and \"chat\"")
+        text = row.get("prompt")
+        if not isinstance(text, str) or not text.strip():
+            raise SelfdraftError(f"{where}: \"prompt\" must be a non-empty string, got {text!r}")
+        chat = row.get("chat", True)
+        if not isinstance(chat, bool):
+            raise SelfdraftError(f"{where}: \"chat\" must be true or false, got {chat!r}")
+        raw_id = row.get("id", f"{path.stem}/{number}")
+        if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
+            raise SelfdraftError(f"{where}: \"id\" must be a string or an integer, got {raw_id!r}")
+        prompt_id = str(raw_id)
+        if prompt_id in seen:
+            raise SelfdraftError(f"{where}: id {prompt_id!r} is used twice")
+        seen.add(prompt_id)
+        prompts.append(Prompt(prompt_id, text, chat, "user"))
+    if not prompts:
+        raise SelfdraftError(f"the prompts file {path} holds no prompts: write one JSON object per line, "
+                             "e.g. {\"prompt\": \"Explain recursion.\", \"id\": \"q1\", \"chat\": true}")
+    return prompts[:limit]

@@ -13,6 +13,7 @@ _LAZY = {
     "generate": "selfdraft.inference.api",
     "GenerationResult": "selfdraft.inference.api",
     "make_drafter": "selfdraft.inference.drafters",
+    "run_bench": "selfdraft.inference.bench",
     "SelfdraftError": "selfdraft.errors",
 }
 

@@ -248,6 +248,57 @@ def _run_distill(args) -> int:
     return 0
 
 
+def _add_bench(sub) -> None:
+    from selfdraft.configs.decode import DecodeConfig
+
+    p = sub.add_parser(
+        "bench", help="decoding methods side by side (ours and transformers'), with a report and plots",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Decode the same prompts with several methods in one process and compare tokens/s, speedup over "
+        "our loop without a drafter (`none`, always run), acceptance length and token identity. Writes results.json, "
+        "report.md and PNG plots to --out.",
+        epilog="methods: none, prompt-lookup, draft-model:SPEC, hf-greedy (temperature 0), hf-sample (temperature > 0), "
+        "hf-prompt-lookup (temperature 0), hf-assisted:SPEC, or a drafter folder (native Medusa / EAGLE-1 / EAGLE-3, "
+        "vLLM/SGLang EAGLE layout).\noptions: METHOD@key=value,key=value, e.g. prompt-lookup@tokens=8, "
+        "runs/e3/drafter@depth=5,top_k=4,nodes=12, runs/m/drafter@medusa_nodes=16, hf-prompt-lookup@tokens=10, "
+        "hf-assisted:SPEC@tokens=5.\ntasks: mt_bench (first turns, chat template; --limit takes the 8 categories in "
+        "turn), mt_bench:CATEGORY, humaneval (raw completion), or a JSONL file of {\"prompt\": ..., \"id\": ..., "
+        "\"chat\": true}.",
+    )
+    p.add_argument("--target", default="smollm2-135m", help="built-in name, local HF folder or hub name (default: %(default)s)")
+    p.add_argument("--methods", action="append", default=None, metavar="M1,M2,...",
+                   help="comma-separated methods, repeatable (default: hf-greedy,hf-prompt-lookup,none,prompt-lookup)")
+    p.add_argument("--tasks", default="mt_bench,humaneval", help="comma-separated tasks (default: %(default)s)")
+    p.add_argument("--temperatures", default="0", help="comma-separated temperatures, 0 is greedy (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=DecodeConfig.max_new_tokens)
+    p.add_argument("--limit", type=int, default=10, help="prompts per task; 0 takes every prompt (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", help="float32 (token identity holds) or bfloat16 (default: %(default)s)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's own choice)")
+    p.add_argument("--seed", type=int, default=0, help="base seed; at temperature > 0 every method uses the same seed per prompt")
+    p.add_argument("--out", required=True, help="folder for results.json, report.md and the plots")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (they need matplotlib)")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> int:
+    import shlex
+
+    from selfdraft.inference.bench import render_tables, run_bench, split_methods
+
+    if args.limit < 0:
+        raise SelfdraftError(f"--limit must be >= 0 (0 takes every prompt), got {args.limit}")
+    methods = [m for text in (args.methods or ["hf-greedy,hf-prompt-lookup,none,prompt-lookup"]) for m in split_methods(text)]
+    results = run_bench(
+        args.target, methods, args.tasks, args.temperatures, args.max_new_tokens, args.limit or None, args.out,
+        dtype=args.dtype, device=args.device, threads=args.threads, seed=args.seed, plots=not args.no_plots,
+        command=shlex.join(["selfdraft", *args.argv]),
+    )
+    print(render_tables(results))
+    print(f"\nreport: {os.path.join(args.out, 'report.md')} (results.json and plots next to it)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from selfdraft import __version__
 
@@ -259,11 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distill(sub)
     _add_features(sub)
     _add_export(sub)
+    _add_bench(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except SelfdraftError as err:

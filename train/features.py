@@ -129,7 +129,8 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     t = config.train
     run_dir = pathlib.Path(t.output_dir)
     out = pathlib.Path(out) if out is not None else run_dir / "features"
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    # The run's autocast too: its online features are computed under it.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision)
     target = load_target(config.target.spec, dtype=config.target.dtype, device=str(accelerator.device),
                          trust_remote_code=config.target.trust_remote_code)
     if target.tokenizer is None:
@@ -189,7 +190,8 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
         rows = []
         for i in plan[name][s]:
             ids = torch.from_numpy(data[i][0])[None].to(device)
-            rows.append(target_features(target.model, ids, torch.ones_like(ids), layers)[0].to(store).cpu())
+            with accelerator.autocast():
+                rows.append(target_features(target.model, ids, torch.ones_like(ids), layers)[0].to(store).cpu())
             progress.update(ids.shape[1])
         offsets = torch.tensor([0] + [len(r) for r in rows]).cumsum(0)
         path = shard_path[(name, s)]

@@ -1,0 +1,234 @@
+"""``selfdraft bench``: every field for every row, exactness flagged loudly, clear errors, the CLI path.
+
+Tiny random Llamas with the embedded target's tokenizer, 8 new tokens, 1-2 prompts per task.
+"""
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+
+from selfdraft.errors import SelfdraftError
+from selfdraft.inference import bench
+
+ROW_FIELDS = {
+    "task", "method", "temperature", "prompts", "new_tokens", "seconds", "tokens_per_second", "speedup",
+    "acceptance_length", "acceptance_histogram", "per_depth_acceptance", "target_forwards_per_token",
+    "drafting_time_share", "exact", "mismatches",
+}
+META_FIELDS = {"target", "dtype", "threads", "torch", "transformers", "machine", "date", "command"}
+
+
+def _tiny_llama(tokenizer, folder, seed):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_target(embedded_fp32, tmp_path_factory):
+    """A 2-layer random Llama (hidden 32) with the embedded target's tokenizer, as an HF folder."""
+    return _tiny_llama(embedded_fp32.tokenizer, tmp_path_factory.mktemp("tiny-target"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(embedded_fp32, tmp_path_factory):
+    """Another random Llama of the same shape and tokenizer: a draft model / assistant."""
+    return _tiny_llama(embedded_fp32.tokenizer, tmp_path_factory.mktemp("tiny-draft"), seed=1)
+
+
+def _medusa_folder(folder, identity, hidden, vocab):
+    from selfdraft.heads.io import DrafterRecord, medusa_dims, save_drafter
+    from selfdraft.heads.medusa import MedusaHeads
+
+    torch.manual_seed(2)
+    heads = MedusaHeads(hidden, vocab, num_heads=2, num_layers=1)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    decode = {"choices": [[0], [1], [0, 0]], "rank_accuracy": [[0.5, 0.2, 0.1], [0.3, 0.1, 0.05]]}
+    return save_drafter(folder, heads, DrafterRecord("medusa", medusa_dims(heads), identity, decode=decode))
+
+
+@pytest.fixture(scope="module")
+def tiny_medusa(tiny_target, tmp_path_factory):
+    """Random Medusa heads exported for the tiny target."""
+    from selfdraft.heads.target import load_target
+
+    identity = load_target(str(tiny_target)).identity
+    return _medusa_folder(tmp_path_factory.mktemp("medusa") / "drafter", identity, 32, identity.vocab_size)
+
+
+def _flip_method() -> bench.Method:
+    """A planted inexact method: our loop without a drafter, with its first token changed."""
+
+    def build(target, argument, options):
+        inner = bench.LoopRunner(target, bench._no_drafter())
+
+        def run(ids, temperature, seed, max_new_tokens):
+            g = inner(ids, temperature, seed, max_new_tokens)
+            return dataclasses.replace(g, token_ids=[(g.token_ids[0] + 1) % 49152] + g.token_ids[1:])
+
+        return run
+
+    return bench.Method("flip", build, "changes the first token")
+
+
+def test_bench_writes_every_field_and_flags_an_inexact_method(tiny_target, tiny_draft, tiny_medusa, tmp_path,
+                                                              monkeypatch, capsys):
+    monkeypatch.setitem(bench.METHODS, "flip", _flip_method())
+    methods = ["hf-greedy", "prompt-lookup@tokens=4,nodes=8", f"draft-model:{tiny_draft}@depth=3,top_k=2",
+               f"{tiny_medusa}@medusa_nodes=3", "flip", "hf-prompt-lookup@tokens=3"]
+    out = tmp_path / "out"
+    results = bench.run_bench(str(tiny_target), methods, "mt_bench,humaneval", [0], max_new_tokens=8, limit=2, out=out,
+                              progress=False, command="test")
+    err = capsys.readouterr().err
+
+    assert META_FIELDS <= set(results["meta"]) and results["meta"]["dtype"] == "float32"
+    assert results["meta"]["command"] == "test" and results["meta"]["machine"]["platform"]
+    # mt_bench with a limit takes the categories in turn: writing first, then roleplay.
+    assert results["prompts"] == {"mt_bench": ["mt_bench/81", "mt_bench/91"], "humaneval": ["HumanEval/0", "HumanEval/1"]}
+    rows = results["rows"]
+    assert [(r["task"], r["method"]) for r in rows] == [(t, m) for t in ("mt_bench", "humaneval") for m in ["none", *methods]]
+    for r in rows:
+        assert ROW_FIELDS <= set(r), ROW_FIELDS - set(r)
+        assert r["prompts"] == 2 and 2 <= r["new_tokens"] <= 16 and r["seconds"] > 0 and r["temperature"] == 0
+        assert r["tokens_per_second"] == pytest.approx(r["new_tokens"] / r["seconds"])
+        assert r["acceptance_length"] == pytest.approx(1 / r["target_forwards_per_token"])
+        hist = r["acceptance_histogram"]
+        if r["method"] != methods[-1]:  # transformers' prompt lookup does not say what each forward emitted
+            assert sum(int(k) * v for k, v in hist.items()) == r["new_tokens"] and sum(hist.values()) == r["target_forwards"]
+        base = next(b for b in rows if b["task"] == r["task"] and b["method"] == "none")
+        assert r["speedup"] == pytest.approx(r["tokens_per_second"] / base["tokens_per_second"])
+        if r["method"] == "flip":
+            assert r["exact"] is False
+            assert r["mismatches"] == [{"prompt_id": p, "first_divergence": 0} for p in results["prompts"][r["task"]]]
+        else:
+            assert r["exact"] is True and r["mismatches"] == [], r
+    by = {(r["task"], r["method"]): r for r in rows}
+    none = by["mt_bench", "none"]
+    assert none["baseline"] and none["speedup"] == 1.0 and none["acceptance_length"] == 1.0
+    assert none["per_depth_acceptance"] == {} and 0 <= none["drafting_time_share"] < 1
+    assert by["mt_bench", methods[-1]]["drafting_time_share"] is None
+    hf = by["mt_bench", "hf-greedy"]
+    assert hf["acceptance_length"] == 1.0 and hf["per_depth_acceptance"] is None and hf["drafting_time_share"] == 0.0
+    drafted = by["mt_bench", methods[2]]
+    assert set(drafted["per_depth_acceptance"]) <= {"1", "2", "3"} and drafted["drafting_time_share"] > 0
+    assert all(0 <= a <= 1 for a in drafted["per_depth_acceptance"].values())
+    assert by["humaneval", methods[3]]["per_depth_acceptance"]  # the Medusa folder decoded with its rebuilt tree
+
+    warnings = re.findall(r"^WARNING: (\S+) is not token-identical to none on task (\S+) at temperature 0: 2 of 2 "
+                          r"prompts differ", err, flags=re.M)
+    assert warnings == [("flip", "mt_bench"), ("flip", "humaneval")], err
+    assert json.loads((out / "results.json").read_text()) == json.loads(json.dumps(results))
+    report = (out / "report.md").read_text()
+    assert "**WARNING: `flip` is not token-identical to `none`" in report
+    assert report.count("| method | tok/s | speedup | tau | forwards/token | drafting share | exact |") == 2
+    assert "Per-depth acceptance" in report and "`none` (baseline)" in report
+    for name in bench.PLOTS:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / name).stat().st_size > 1000
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "temporary files left behind"
+
+
+def test_temperature_one_rows_have_no_exactness_and_greedy_only_methods_are_skipped(tiny_target, tiny_draft, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Say hello.", "id": "hi"}\n\n{"prompt": "def add(a, b):", "chat": false}\n')
+    methods = ["hf-greedy", "hf-sample", "hf-prompt-lookup@tokens=3", "prompt-lookup",
+               f"hf-assisted:{tiny_draft}@tokens=3"]
+    results = bench.run_bench(str(tiny_target), methods, [str(prompts)], "1", max_new_tokens=8, limit=2,
+                              out=tmp_path / "out", plots=False, progress=False)
+    rows = results["rows"]
+    assert [r["method"] for r in rows] == ["none", "hf-sample", "prompt-lookup", methods[-1]]
+    assert results["prompts"] == {str(prompts): ["hi", "prompts/3"]}
+    for r in rows:
+        assert ROW_FIELDS <= set(r) and r["temperature"] == 1.0 and r["exact"] is None and r["mismatches"] == []
+    assert rows[-1]["acceptance_length"] >= 1  # assisted generation's target forwards are counted
+    assert [(s["method"], s["temperature"]) for s in results["skipped"]] == [("hf-greedy", 1.0), (methods[2], 1.0)]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "Not run at this temperature: `hf-greedy` (hf-greedy runs at temperature 0 only)" in report
+    assert not (tmp_path / "out" / "speedup.png").exists()
+    # Each prompt has one seed, used by every method: a run reproduces its sampled tokens.
+    from selfdraft.heads.target import load_target
+
+    target, ids = load_target(str(tiny_target)), [1, 2, 3]
+    for name in ("hf-sample", "prompt-lookup"):
+        run = bench.METHODS[name].build(target, None, {})
+        assert run(ids, 1.0, 7, 8).token_ids == run(ids, 1.0, 7, 8).token_ids != run(ids, 1.0, 8, 8).token_ids
+
+
+def test_bad_input_is_a_clear_error(tiny_target, tmp_path):
+    from selfdraft.heads.target import TargetIdentity
+
+    def bad(methods="none", tasks="humaneval", match=""):
+        with pytest.raises(SelfdraftError, match=match):
+            bench.run_bench(str(tiny_target), methods, tasks, max_new_tokens=4, limit=1, out=tmp_path / "x",
+                            plots=False, progress=False)
+
+    bad(tasks="mt_bnech", match=r"unknown task 'mt_bnech'; valid tasks: mt_bench, mt_bench:writing, .*humaneval")
+    bad(tasks="mt_bench:poetry", match=r"unknown task 'mt_bench:poetry'.*mt_bench:humanities")
+    bad(methods="medusa-from-nowhere", match=r"unknown method 'medusa-from-nowhere'; valid methods: none, prompt-lookup, "
+        r"draft-model:SPEC, hf-greedy, hf-sample, hf-prompt-lookup, hf-assisted:SPEC, or a drafter folder")
+    bad(methods="prompt-lookup@tokns=3", match=r"unknown option 'tokns'; valid options of prompt-lookup: tokens, max_ngram")
+    bad(methods="prompt-lookup@tokens=zero", match=r"option tokens='zero'")
+    bad(methods="prompt-lookup@tokens=0", match=r"tokens='0': must be an integer >= 1")
+    bad(methods="hf-greedy@tokens=3", match="takes no options")
+    bad(methods="prompt-lookup@", match="no options after '@'")
+    bad(methods="none,prompt-lookup,prompt-lookup", match="listed twice: prompt-lookup")
+    bad(methods="hf-assisted", match="needs an argument: hf-assisted:SPEC")
+    bad(methods=str(tiny_target), match="not a drafter folder.*draft-model:")
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    bad(tasks=str(empty), match=f"prompts file {empty} holds no prompts")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    bad(tasks=str(broken), match=f"{broken}, line 2: \"prompt\" must be a non-empty string")
+    broken.write_text('{"prompt": "ok"}\nnot json\n')
+    bad(tasks=str(broken), match=f"{broken}, line 2 is not valid JSON")
+    bad(tasks=str(tmp_path / "missing.jsonl"), match="does not exist")
+
+    # A drafter exported for another target: make_drafter's own refusal, naming the differing fields.
+    other = TargetIdentity("other-model", "LlamaForCausalLM", 97, 64, 2, "abc123")
+    foreign = _medusa_folder(tmp_path / "foreign", other, 64, 97)
+    bad(methods=str(foreign), match=r"was trained for target 'other-model'.*hidden_size: 32 here, 64 in the drafter")
+    bad(methods=f"{foreign}@depth=3", match=r"unknown option 'depth'; valid options of medusa drafter folder: medusa_nodes")
+
+
+def test_split_methods_and_round_robin():
+    from selfdraft.inference.prompts import MT_BENCH_CATEGORIES, mt_bench_prompts, round_robin
+
+    assert bench.split_methods("none,runs/x/drafter@depth=5,top_k=4,nodes=12,prompt-lookup@tokens=8,hf-greedy") == [
+        "none", "runs/x/drafter@depth=5,top_k=4,nodes=12", "prompt-lookup@tokens=8", "hf-greedy"]
+    picked = round_robin(mt_bench_prompts(), 8)
+    assert [p.category for p in picked] == list(MT_BENCH_CATEGORIES)
+    assert len(round_robin(mt_bench_prompts())) == 80
+    assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_divergence([1, 2, 3], [1, 5, 3]) == 1 and bench.first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_the_cli_runs_the_bench_and_reports_errors_in_one_line(tiny_target, tmp_path, capsys):
+    from selfdraft.cli import main
+
+    out = tmp_path / "cli"
+    code = main(["bench", "--target", str(tiny_target), "--methods", "none,prompt-lookup@tokens=4,nodes=8",
+                 "--methods", "hf-greedy", "--tasks", "mt_bench:coding", "--max-new-tokens", "8", "--limit", "1",
+                 "--threads", "1", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "mt_bench:coding, temperature 0 (1 prompts)" in captured.out and f"report: {out / 'report.md'}" in captured.out
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["command"].startswith("selfdraft bench --target") and results["meta"]["threads"] == 1
+    assert [r["method"] for r in results["rows"]] == ["none", "prompt-lookup@tokens=4,nodes=8", "hf-greedy"]
+    assert all(r["exact"] for r in results["rows"]) and (out / "speedup.png").is_file()
+
+    assert main(["bench", "--target", str(tiny_target), "--tasks", "nope", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("selfdraft: error: unknown task 'nope'") and "Traceback" not in err
