@@ -125,39 +125,10 @@ def _add_export(sub) -> None:
 
 
 def _run_export(args) -> int:
-    from selfdraft.heads.formats import export_vllm_medusa
-    from selfdraft.heads.io import is_drafter_folder, load_drafter, read_record
-    from selfdraft.heads.target import load_target
+    from selfdraft.train.export import export
 
-    if not is_drafter_folder(args.drafter):
-        from selfdraft.train.export import export_run
-
-        source = export_run(args.drafter, args.out if args.format == "native" else None)
-        if args.format == "native":
-            print(f"wrote the native drafter of run {args.drafter} to {source}")
-            return 0
-        args.drafter = str(source)
-    elif args.format == "native":
-        raise SelfdraftError(f"{args.drafter} is already a native drafter folder")
-    record = read_record(args.drafter)
-    if record.kind in ("eagle", "eagle3"):
-        from selfdraft.heads.eagle_formats import ARCHITECTURES, export_eagle
-
-        drafter, record = load_drafter(args.drafter)
-        out = export_eagle(drafter, args.out)
-        print(f"wrote {record.kind} drafter in the {ARCHITECTURES[record.kind]} layout ({args.format}) to {out}")
-        return 0
-    if args.format == "sglang":
-        raise SelfdraftError("SGLang has no Medusa loader; export Medusa heads with --format vllm")
-    lm_head = None
-    if record.kind == "medusa" and not record.dims["own_lm_head"]:
-        target = load_target(args.target or record.target.name)
-        heads, record = load_drafter(args.drafter, target.identity)
-        lm_head = target.model.get_output_embeddings().weight.to(next(heads.parameters()).dtype)
-    else:
-        heads, record = load_drafter(args.drafter)
-    out = export_vllm_medusa(heads, args.out, lm_head)
-    print(f"wrote {record.kind} drafter in vLLM's MedusaModel layout to {out}")
+    _, message = export(args.drafter, args.format, args.out, target=args.target)
+    print(message)
     return 0
 
 
@@ -299,6 +270,40 @@ def _run_bench(args) -> int:
     return 0
 
 
+def _add_quickstart(sub) -> None:
+    from selfdraft.quickstart import QuickstartConfig
+
+    d = QuickstartConfig()
+    p = sub.add_parser("quickstart", help="the main job on the embedded default: train a drafter, export it, bench it",
+                       description="Train the best drafter we have for the embedded SmolLM2-135M-Instruct within a time "
+                       "budget, export it in vLLM/SGLang's layout and benchmark it against the vanilla loop, prompt "
+                       "lookup and transformers' decoding. Offline, on a CPU. Each stage is recorded in OUT/stages.json; "
+                       "rerun to resume or to reuse finished stages.")
+    p.add_argument("--out", default=d.out, help="folder for everything (default: %(default)s)")
+    p.add_argument("--budget-minutes", type=float, default=d.budget_minutes,
+                   help="training time in minutes (default: %(default)s); loading, evaluation and the bench come on top")
+    p.add_argument("--config", default=d.config, help="the run preset or YAML to train (default: %(default)s)")
+    p.add_argument("--bench-limit", type=_positive_int, default=d.bench_limit, help="prompts per bench task (default: %(default)s)")
+    p.add_argument("--bench-tasks", default=d.bench_tasks, help="bench tasks (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens, help="bench tokens per prompt (default: %(default)s)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads for the bench")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of the run config, as for `selfdraft train`")
+    p.set_defaults(func=_run_quickstart)
+
+
+def _run_quickstart(args) -> int:
+    from selfdraft.inference.bench import render_tables
+    from selfdraft.quickstart import QuickstartConfig, quickstart
+
+    qc = QuickstartConfig(out=args.out, budget_minutes=args.budget_minutes, config=args.config,
+                          overrides=tuple(args.overrides), bench_tasks=args.bench_tasks, bench_limit=args.bench_limit,
+                          max_new_tokens=args.max_new_tokens, threads=args.threads)
+    results = quickstart(qc)
+    print(render_tables(results))
+    print(f"\nreport: {os.path.join(args.out, 'bench', 'report.md')} (results.json and plots next to it)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from selfdraft import __version__
 
@@ -309,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_distill(sub)
     _add_features(sub)
+    _add_quickstart(sub)
     _add_export(sub)
     _add_bench(sub)
     return parser

@@ -38,6 +38,23 @@ def truncated_smollm2(embedded_fp32, tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="session")
+def tiny_target(embedded_fp32, tmp_path_factory):
+    """A 2-layer random Llama (hidden 32) with the embedded target's tokenizer, as an HF folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok = embedded_fp32.tokenizer
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    folder = tmp_path_factory.mktemp("tiny-target")
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 # --- the statistical harness -----------------------------------------------------------------------
 
 def goodness_of_fit(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float, int]:

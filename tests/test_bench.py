@@ -34,12 +34,6 @@ def _tiny_llama(tokenizer, folder, seed):
 
 
 @pytest.fixture(scope="module")
-def tiny_target(embedded_fp32, tmp_path_factory):
-    """A 2-layer random Llama (hidden 32) with the embedded target's tokenizer, as an HF folder."""
-    return _tiny_llama(embedded_fp32.tokenizer, tmp_path_factory.mktemp("tiny-target"), seed=0)
-
-
-@pytest.fixture(scope="module")
 def tiny_draft(embedded_fp32, tmp_path_factory):
     """Another random Llama of the same shape and tokenizer: a draft model / assistant."""
     return _tiny_llama(embedded_fp32.tokenizer, tmp_path_factory.mktemp("tiny-draft"), seed=1)

@@ -20,23 +20,6 @@ from selfdraft.train.loop import TrainingDiverged, train
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def tiny_target(embedded_fp32, tmp_path_factory):
-    """A 2-layer random Llama (hidden 32) with the embedded target's tokenizer, as an HF folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    tok = embedded_fp32.tokenizer
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                      max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    model = LlamaForCausalLM(cfg)
-    folder = tmp_path_factory.mktemp("tiny-target")
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
-
-
 def tiny_config(tiny_target, out, *overrides):
     return load_run_config("smoke_cpu", [
         f"target.spec={tiny_target}", f"train.output_dir={out}", "data.max_conversations=24", "data.max_length=64",

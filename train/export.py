@@ -48,3 +48,38 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike | None = None) -> 
     rank_acc = torch.tensor(state["rank_accuracy"]) if state.get("rank_accuracy") else None
     return export_drafter(objective, config, target, rank_acc, pathlib.Path(out) if out is not None else run / "drafter")
 
+
+
+def export(source: str | os.PathLike, fmt: str, out: str | os.PathLike, target: str | None = None) -> tuple[pathlib.Path, str]:
+    """Write the drafter of ``source`` (a native drafter folder or a training run) to ``out`` in
+    ``fmt``: ``native``, ``vllm`` or ``sglang``. Returns (folder, a one-line description)."""
+    from selfdraft.heads.formats import export_vllm_medusa
+    from selfdraft.heads.io import is_drafter_folder, load_drafter, read_record
+    from selfdraft.heads.target import load_target
+
+    source = str(source)
+    if not is_drafter_folder(source):
+        folder = export_run(source, out if fmt == "native" else None)
+        if fmt == "native":
+            return folder, f"wrote the native drafter of run {source} to {folder}"
+        source = str(folder)
+    elif fmt == "native":
+        raise SelfdraftError(f"{source} is already a native drafter folder")
+    record = read_record(source)
+    if record.kind in ("eagle", "eagle3"):
+        from selfdraft.heads.eagle_formats import ARCHITECTURES, export_eagle
+
+        drafter, record = load_drafter(source)
+        folder = export_eagle(drafter, out)
+        return folder, f"wrote {record.kind} drafter in the {ARCHITECTURES[record.kind]} layout ({fmt}) to {folder}"
+    if fmt == "sglang":
+        raise SelfdraftError("SGLang has no Medusa loader; export Medusa heads with --format vllm")
+    lm_head = None
+    if record.kind == "medusa" and not record.dims["own_lm_head"]:
+        loaded = load_target(target or record.target.name)
+        heads, record = load_drafter(source, loaded.identity)
+        lm_head = loaded.model.get_output_embeddings().weight.to(next(heads.parameters()).dtype)
+    else:
+        heads, record = load_drafter(source)
+    folder = export_vllm_medusa(heads, out, lm_head)
+    return folder, f"wrote {record.kind} drafter in vLLM's MedusaModel layout to {folder}"

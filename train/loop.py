@@ -55,6 +55,8 @@ class TrainResult:
     """The native export, written when the run reached max_steps."""
     last_eval: dict[str, Any]
     train_tokens_per_second: float
+    train_seconds: float = 0.0
+    """Seconds spent in optimizer steps by this call (loading, evaluation and saving excluded)."""
     objective: Any = None
     """The trained module (target + drafter), unwrapped from accelerate, on its device."""
 
@@ -455,7 +457,8 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     accelerator.end_training()
     return TrainResult(output_dir=out, step=end if end > start_step else start_step,
                        drafter_dir=out / "drafter" if finished else None, last_eval=last_eval,
-                       train_tokens_per_second=tokens_done / max(time_spent, 1e-9), objective=unwrapped)
+                       train_tokens_per_second=tokens_done / max(time_spent, 1e-9), train_seconds=time_spent,
+                       objective=unwrapped)
 
 
 def _full_parameters(accelerator, module, modify: bool = False):
