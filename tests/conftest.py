@@ -82,22 +82,19 @@ def goodness_of_fit(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float
     return pvalue, tv, obs.size
 
 
-def sequence_law(model, prompt, n_new: int, config) -> np.ndarray:
-    """(V^n_new,) exact probability of each continuation of ``prompt`` by a causal LM sampled with
-    ``config``'s temperature / top-k / top-p: the product of its processed conditionals, indexed by
-    ``np.ravel_multi_index`` of the tokens."""
-    import torch
-
+def continuation_law(logits_of, vocab: int, prompt, n_new: int, config) -> np.ndarray:
+    """(vocab^n_new,) exact probability of each continuation of ``prompt`` by ``n_new`` tokens when
+    every token is sampled with ``config``'s temperature / top-k / top-p from ``logits_of(context)``
+    ((vocab,) logits after the token tuple ``context``): the product of the processed conditionals,
+    indexed by ``np.ravel_multi_index`` of the tokens."""
     from selfdraft.inference.verify import target_probs
 
-    vocab = model.config.vocab_size
     memo: dict[tuple[int, ...], np.ndarray] = {}
 
     def conditional(context: tuple[int, ...]) -> np.ndarray:
         if context not in memo:
-            with torch.no_grad():
-                logits = model(torch.tensor([context])).logits[0, -1:].float()
-            memo[context] = target_probs(logits, config.temperature, config.top_k, config.top_p)[0].double().numpy()
+            row = target_probs(logits_of(context)[None].float(), config.temperature, config.top_k, config.top_p)
+            memo[context] = row[0].numpy()
         return memo[context]
 
     probs = np.zeros(vocab ** n_new)
@@ -108,8 +105,19 @@ def sequence_law(model, prompt, n_new: int, config) -> np.ndarray:
             if p == 0.0:
                 break
         probs[index] = p
-    assert abs(probs.sum() - 1.0) < 1e-6
+    assert abs(probs.sum() - 1.0) < 1e-9
     return probs
+
+
+def sequence_law(model, prompt, n_new: int, config) -> np.ndarray:
+    """``continuation_law`` of a causal LM (a full forward per context)."""
+    import torch
+
+    def logits_of(context: tuple[int, ...]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([context])).logits[0, -1]
+
+    return continuation_law(logits_of, model.config.vocab_size, prompt, n_new, config)
 
 
 def sampled_law(make_session, drafter, prompt, n_new: int, config, runs: int, vocab: int) -> tuple[np.ndarray, int]:
@@ -131,6 +139,8 @@ def sampled_law(make_session, drafter, prompt, n_new: int, config, runs: int, vo
 @pytest.fixture(scope="session")
 def law():
     """The exactness harness: ``law.exact(model, prompt, n_new, config)`` is the exact law of the
-    continuations, ``law.sample(make_session, drafter, prompt, n_new, config, runs, vocab)`` draws
+    continuations (``law.exact_logits(logits_of, vocab, prompt, n_new, config)`` for any prefix ->
+    logits function), ``law.sample(make_session, drafter, prompt, n_new, config, runs, vocab)`` draws
     them through the decoding loop, ``law.goodness_of_fit(counts, probs)`` is the chi-square test."""
-    return types.SimpleNamespace(exact=sequence_law, sample=sampled_law, goodness_of_fit=goodness_of_fit)
+    return types.SimpleNamespace(exact=sequence_law, exact_logits=continuation_law, sample=sampled_law,
+                                 goodness_of_fit=goodness_of_fit)

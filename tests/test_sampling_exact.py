@@ -248,28 +248,6 @@ class Sampling:
         return f"T={self.temperature} top_k={self.top_k} top_p={self.top_p}"
 
 
-def exact_distribution(target: PrefixLogits, prompt, length: int, sampling: Sampling) -> np.ndarray:
-    """(V^L,) probability of each continuation, indexed as np.ravel_multi_index of the tokens."""
-    probs = np.zeros(VOCAB**length)
-    memo: dict[tuple[int, ...], np.ndarray] = {}
-
-    def conditional(context):
-        if context not in memo:
-            row = target_probs(target(context)[None].float(), sampling.temperature, sampling.top_k, sampling.top_p)
-            memo[context] = row[0].numpy()
-        return memo[context]
-
-    for index, cont in enumerate(itertools.product(range(VOCAB), repeat=length)):  # row-major order
-        p = 1.0
-        for j in range(length):
-            p *= conditional(tuple(prompt) + cont[:j])[cont[j]]
-            if p == 0.0:
-                break
-        probs[index] = p
-    assert abs(probs.sum() - 1.0) < 1e-9
-    return probs
-
-
 @dataclass
 class Samples:
     counts: np.ndarray  # (V^L,) int64, continuations by np.ravel_multi_index
@@ -387,7 +365,7 @@ STUB_CASES = [
 @pytest.mark.parametrize("kind,sampling", STUB_CASES, ids=[f"{k}-{s}".replace(" ", ",") for k, s in STUB_CASES])
 def test_speculative_sampling_has_target_distribution(target, drafters, kind, sampling, law):
     n = 20_000
-    probs = exact_distribution(target, PROMPT, NEW_TOKENS, sampling)
+    probs = law.exact_logits(target, VOCAB, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
     samples = sample_counts(lambda: TableSession(target), drafters[kind], sampling, n)
     pvalue, tv = _check(law, f"{kind} {sampling}", samples, probs, time.perf_counter() - start)
@@ -423,7 +401,7 @@ def test_biased_rule_is_detected(target, drafters, bug, law):
     sampling, n = Sampling(1.0), 5_000
     drafter = drafters["tree"]
     rule = make_wrong_rule(drafter) if bug == "min(1,p/q)" else forgets_to_renormalise
-    probs = exact_distribution(target, PROMPT, NEW_TOKENS, sampling)
+    probs = law.exact_logits(target, VOCAB, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
     samples = sample_counts(lambda: TableSession(target), drafter, sampling, n, rule=rule)
     pvalue, tv = _check(law, f"BIASED {bug} tree {sampling}", samples, probs, time.perf_counter() - start)
@@ -434,7 +412,7 @@ def test_biased_rule_is_detected(target, drafters, bug, law):
 def test_real_session_has_target_distribution(target_model, target, drafters, law):
     """The same check through CausalLMSession: KV cache, 4D tree mask, compaction after each step."""
     sampling, n = Sampling(1.0), 4_000
-    probs = exact_distribution(target, PROMPT, NEW_TOKENS, sampling)
+    probs = law.exact_logits(target, VOCAB, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
     samples = sample_counts(lambda: CausalLMSession(target_model), drafters["tree"], sampling, n, seed0=10**6)
     pvalue, tv = _check(law, f"CausalLMSession tree {sampling}", samples, probs, time.perf_counter() - start)
