@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 from selfdraft.errors import SelfdraftError
 
-STAGES = ("train", "export", "bench")
 BENCH_METHODS = ("none", "prompt-lookup", "hf-greedy", "hf-prompt-lookup")
 
 

@@ -168,7 +168,8 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     todo = [(name, s) for (name, s), path in shard_path.items() if not path.is_file()]
     todo_tokens = sum(len(splits[name][0][i][0]) for name, s in todo for i in plan[name][s])
     total_gb, todo_gb = sum(tokens.values()) * per_token / 1e9, todo_tokens * per_token / 1e9
-    free_gb = shutil.disk_usage(out.parent if not out.exists() else out).free / 1e9 if out.parent.exists() else float("inf")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())  # the folder may not exist yet
+    free_gb = shutil.disk_usage(existing).free / 1e9
     print(f"feature cache {out}: {len(train_idx)} train + {len(eval_data)} eval conversations, "
           f"{sum(tokens.values())} tokens x {len(layers)} layers {layers} x {text.hidden_size} in {key['dtype']}: "
           f"{total_gb:.2f} GB ({todo_gb:.2f} GB left to write, {free_gb:.1f} GB free)")
