@@ -206,7 +206,9 @@ def load_run_config(config: str | pathlib.Path | None = None, overrides: list[st
     data: dict = {}
     if config is not None:
         path = pathlib.Path(config)
-        if not path.exists() and str(config) in presets():
+        # A preset name wins over anything of that name that is not a YAML file: `selfdraft quickstart
+        # --out quickstart` makes a folder called like the preset it then reloads.
+        if not path.is_file() and str(config) in presets():
             path = presets()[str(config)]
         data = load_yaml(path)
     data = apply_overrides(data, list(overrides))

@@ -19,6 +19,7 @@ SGLang EAGLE layout) is a method too. ``METHOD@key=value,key=value`` sets a meth
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -499,6 +500,121 @@ def _warn(message: str) -> None:
     print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 
+# --- the journal: an interrupted bench resumes ----------------------------------------------------
+
+JOURNAL = "progress.jsonl"
+
+
+def _folder_digest(path: str) -> str:
+    """sha256 over the names and bytes of the json and safetensors files directly in ``path``."""
+    digest = hashlib.sha256()
+    for f in sorted(pathlib.Path(path).iterdir()):
+        if f.is_file() and f.suffix in (".json", ".safetensors"):
+            digest.update(f.name.encode("utf-8") + b"\0")
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 22), b""):
+                    digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _settings(target, choices: Sequence[MethodChoice], max_new_tokens: int, seed: int) -> dict:
+    """What must not change between the sessions of one bench: a finished prompt is reused only under
+    the same settings (tasks, temperatures and --limit may change: prompts are journaled one by one)."""
+    methods = {}
+    for c in choices:
+        folder = c.argument if c.argument and os.path.isdir(c.argument) else None
+        methods[c.label] = {"method": c.method.name, "argument": c.argument, "options": c.options,
+                            "files_sha256": _folder_digest(folder) if folder else None}
+    return {"target": target.identity.to_dict(), "dtype": str(target.dtype).replace("torch.", ""),
+            "device": str(target.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "max_new_tokens": max_new_tokens, "seed": seed, "methods": methods}
+
+
+def _ids_digest(ids: Sequence[int]) -> str:
+    return hashlib.sha256(json.dumps(list(ids)).encode("ascii")).hexdigest()[:16]
+
+
+class Journal:
+    """``OUT/progress.jsonl``: the settings on the first line, then one line per finished prompt (task,
+    temperature, prompt) with every method's generation and seconds. All methods of a prompt are timed
+    back to back in one session, so a prompt taken from the journal is as fair as one decoded now; a
+    rerun with the same settings decodes only the prompts the journal lacks. Each line is flushed and
+    fsynced; a torn last line (a kill mid-write) is dropped on load."""
+
+    def __init__(self, out: pathlib.Path, settings: dict, fresh: bool = False):
+        self.path = out / JOURNAL
+        self.settings = json.loads(json.dumps(settings))  # the form it takes in the file
+        self.groups: dict[tuple[str, float, str], dict] = {}
+        if fresh and self.path.exists():
+            self.path.unlink()
+        if not self.path.exists():
+            _write_atomic(self.path, (json.dumps({"settings": self.settings}) + "\n").encode("utf-8"))
+            return
+        lines = self.path.read_text(encoding="utf-8").split("\n")
+        try:
+            head = json.loads(lines[0])["settings"]
+        except (ValueError, KeyError, TypeError):
+            raise SelfdraftError(f"{self.path} is not a selfdraft bench journal; use another --out or pass --fresh") from None
+        if head != self.settings:
+            diff = sorted(k for k in set(head) | set(self.settings) if head.get(k) != self.settings.get(k))
+            if "methods" in diff:
+                old, new = head.get("methods", {}), self.settings["methods"]
+                changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+                diff[diff.index("methods")] = f"methods ({', '.join(changed)})"
+            raise SelfdraftError(
+                f"{self.path} holds a bench with other settings ({'; '.join(diff)} differ); a resumed bench must "
+                "keep the target, dtype, threads, methods (and their files), max_new_tokens and seed: use another "
+                "--out, or pass --fresh to start this one over")
+        good = lines[:1]
+        for line in lines[1:]:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                key = (record["task"], float(record["temperature"]), record["prompt_id"])
+            except (ValueError, KeyError, TypeError):
+                _warn(f"{self.path}: dropping a torn or unreadable line (an interrupted write); that prompt is decoded again")
+                break
+            self.groups[key] = record
+            good.append(line)
+        if len(good) - 1 != sum(1 for line in lines[1:] if line.strip()):
+            _write_atomic(self.path, ("\n".join(good) + "\n").encode("utf-8"))
+
+    def get(self, task: str, temperature: float, prompt_id: str, ids_digest: str, labels: Sequence[str]) -> dict | None:
+        """The journaled generations of one prompt, or None if it must be decoded (absent, another
+        prompt text under that id, or another set of methods at that temperature)."""
+        record = self.groups.get((task, temperature, prompt_id))
+        if record is None or record["ids_sha256"] != ids_digest or sorted(record["runs"]) != sorted(labels):
+            return None
+        return {label: (_generation_from_json(run), run["seconds"]) for label, run in record["runs"].items()}
+
+    def add(self, task: str, temperature: float, prompt_id: str, ids_digest: str,
+            runs: dict[str, tuple[Generation, float]]) -> None:
+        record = {"task": task, "temperature": temperature, "prompt_id": prompt_id, "ids_sha256": ids_digest,
+                  "runs": {label: {**_generation_to_json(g), "seconds": s} for label, (g, s) in runs.items()}}
+        self.groups[(task, temperature, prompt_id)] = record
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _generation_to_json(g: Generation) -> dict:
+    out = dataclasses.asdict(g)
+    for key in ("accept_histogram", "depth_drafted", "depth_accepted"):
+        if out[key] is not None:
+            out[key] = {str(k): v for k, v in out[key].items()}
+    return out
+
+
+def _generation_from_json(data: dict) -> Generation:
+    fields = {f.name: data[f.name] for f in dataclasses.fields(Generation)}
+    for key in ("accept_histogram", "depth_drafted", "depth_accepted"):
+        if fields[key] is not None:
+            fields[key] = {int(k): v for k, v in fields[key].items()}
+    return Generation(**fields)
+
+
 def run_bench(
     target,
     methods: str | Sequence[str],
@@ -515,9 +631,14 @@ def run_bench(
     plots: bool = True,
     progress: bool = True,
     command: str | None = None,
+    fresh: bool = False,
 ) -> dict:
     """Run every method on every prompt of every task at every temperature; write ``out``/results.json,
     report.md and plots; return the results (what results.json holds).
+
+    Finished prompts are journaled in ``out``/progress.jsonl (see :class:`Journal`): a rerun with the
+    same settings reuses them and decodes only the rest, so an interrupted bench continues where it
+    stopped and a larger ``limit`` adds prompts to a finished one. ``fresh`` discards the journal.
 
     ``target`` is a spec for :func:`~selfdraft.heads.target.load_target` (loaded with ``dtype`` and
     ``device``) or a loaded Target. ``methods``, ``tasks`` and ``temperatures`` are lists or
@@ -583,34 +704,54 @@ def run_bench(
                     "reason": f"{c.method.name} runs at temperature 0 only" if c.method.temperatures == "greedy"
                     else f"{c.method.name} runs at temperature > 0 only"}
                    for t in temps for c in choices if not c.method.applies(t)]
+        journal = Journal(out, _settings(target, choices, max_new_tokens, seed), fresh=fresh)
+        plan = []  # (task, t, index, prompt, ids, digest, active, journaled runs or None)
+        for task, items in encoded.items():
+            for t in temps:
+                active = [c for c in choices if c.method.applies(t)]
+                for index, (prompt, ids) in enumerate(items):
+                    digest = _ids_digest(ids)
+                    plan.append((task, t, index, prompt, ids, digest, active,
+                                 journal.get(task, t, prompt.id, digest, [c.label for c in active])))
+        reused = sum(1 for *_, done in plan if done is not None)
         dev = target.device
-        warm_ids = next(ids for items in encoded.values() for _, ids in items)
-        for c in choices:
-            t = next((t for t in temps if c.method.applies(t)), None)
-            if t is not None:
-                runners[c.label](warm_ids, t, prompt_seed(seed, "warm-up"), max_new_tokens)
+        if reused < len(plan):
+            if reused:
+                print(f"bench: {reused} of {len(plan)} prompts are in {journal.path} from an earlier run with the "
+                      "same settings; decoding the rest", file=sys.stderr, flush=True)
+            warm_ids = next(ids for items in encoded.values() for _, ids in items)
+            for c in choices:
+                t = next((t for t in temps if c.method.applies(t)), None)
+                if t is not None:
+                    runners[c.label](warm_ids, t, prompt_seed(seed, "warm-up"), max_new_tokens)
 
         tallies: dict[tuple[str, float, str], _Tally] = {}
-        total = sum(len(items) * sum(c.method.applies(t) for c in choices) for items in encoded.values() for t in temps)
-        bar = tqdm(total=total, file=sys.stderr, disable=not progress, unit="gen", dynamic_ncols=True)
+        bar = tqdm(total=sum(len(active) for *_, active, _ in plan), file=sys.stderr, disable=not progress,
+                   unit="gen", dynamic_ncols=True)
         try:
-            for task, items in encoded.items():
-                for t in temps:
-                    active = [c for c in choices if c.method.applies(t)]
+            for task, t, index, prompt, ids, digest, active, done in plan:
+                if done is None:
                     bar.set_description(f"{task} T={t:g}")
-                    for index, (prompt, ids) in enumerate(items):
-                        s = prompt_seed(seed, prompt.id) if t > 0 else None
-                        shift = index % len(active)
-                        for c in active[shift:] + active[:shift]:  # rotate the order from prompt to prompt
-                            bar.set_postfix_str(_short(c.label, 40), refresh=False)
-                            start = _clock(dev)
-                            generation = runners[c.label](ids, t, s, max_new_tokens)
-                            seconds = _clock(dev) - start
-                            tallies.setdefault((task, t, c.label), _Tally()).add(prompt.id, generation, seconds)
-                            bar.update(1)
+                    s = prompt_seed(seed, prompt.id) if t > 0 else None
+                    shift = index % len(active)
+                    done = {}
+                    for c in active[shift:] + active[:shift]:  # rotate the order from prompt to prompt
+                        bar.set_postfix_str(_short(c.label, 40), refresh=False)
+                        start = _clock(dev)
+                        generation = runners[c.label](ids, t, s, max_new_tokens)
+                        done[c.label] = (generation, _clock(dev) - start)
+                        bar.update(1)
+                    journal.add(task, t, prompt.id, digest, done)
+                else:
+                    bar.update(len(active))
+                for c in active:
+                    tallies.setdefault((task, t, c.label), _Tally()).add(prompt.id, *done[c.label])
         finally:
             bar.close()
         meta = _meta(target, choices, task_names, temps, max_new_tokens, limit, seed, command)
+        meta["journal"] = {"path": JOURNAL, "prompts": len(plan), "reused": reused,
+                           "note": "every method of a prompt is timed back to back in one session; reused prompts "
+                                   "come from an earlier session with the same settings"}
     finally:
         torch.set_num_threads(old_threads)
 

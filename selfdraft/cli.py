@@ -249,6 +249,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="base seed; at temperature > 0 every method uses the same seed per prompt")
     p.add_argument("--out", required=True, help="folder for results.json, report.md and the plots")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (they need matplotlib)")
+    p.add_argument("--fresh", action="store_true",
+                   help="discard the journal (OUT/progress.jsonl) of an earlier run; without it, prompts it holds under "
+                   "the same settings are reused and only the rest are decoded")
     p.set_defaults(func=_run_bench)
 
 
@@ -263,7 +266,7 @@ def _run_bench(args) -> int:
     results = run_bench(
         args.target, methods, args.tasks, args.temperatures, args.max_new_tokens, args.limit or None, args.out,
         dtype=args.dtype, device=args.device, threads=args.threads, seed=args.seed, plots=not args.no_plots,
-        command=shlex.join(["selfdraft", *args.argv]),
+        command=shlex.join(["selfdraft", *args.argv]), fresh=args.fresh,
     )
     print(render_tables(results))
     print(f"\nreport: {os.path.join(args.out, 'report.md')} (results.json and plots next to it)")

@@ -226,3 +226,79 @@ def test_the_cli_runs_the_bench_and_reports_errors_in_one_line(tiny_target, tmp_
     assert main(["bench", "--target", str(tiny_target), "--tasks", "nope", "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("selfdraft: error: unknown task 'nope'") and "Traceback" not in err
+
+
+class _Counting:
+    """A method that counts its calls per prompt and can be told to die on one (an interrupted bench)."""
+
+    def __init__(self):
+        self.calls: list[list[int]] = []
+        self.die_on_call: int | None = None
+
+    def method(self) -> bench.Method:
+        def build(target, argument, options):
+            inner = bench.LoopRunner(target, bench._no_drafter())
+
+            def run(ids, temperature, seed, max_new_tokens):
+                self.calls.append(list(ids))
+                if len(self.calls) == self.die_on_call:
+                    raise KeyboardInterrupt
+                return inner(ids, temperature, seed, max_new_tokens)
+
+            return run
+
+        return bench.Method("count", build, "our loop without a drafter, counted")
+
+
+def test_an_interrupted_bench_resumes_from_its_journal(tiny_target, tmp_path, monkeypatch, capsys):
+    counting = _Counting()
+    monkeypatch.setitem(bench.METHODS, "count", counting.method())
+    out = tmp_path / "resume"
+
+    def run(limit, **kw):
+        return bench.run_bench(str(tiny_target), kw.pop("methods", "count"), "humaneval", [0], kw.pop("tokens", 6),
+                               limit, out, plots=False, progress=False, threads=1, command="test", **kw)
+
+    # Killed while decoding the third prompt: the first two are journaled, results.json is not written.
+    counting.die_on_call = 4  # warm-up, prompt 0, prompt 1, then prompt 2 dies
+    with pytest.raises(KeyboardInterrupt):
+        run(3)
+    journal = (out / bench.JOURNAL).read_text().splitlines()
+    assert len(journal) == 3 and json.loads(journal[0])["settings"]["max_new_tokens"] == 6
+    assert [json.loads(line)["prompt_id"] for line in journal[1:]] == ["HumanEval/0", "HumanEval/1"]
+    assert not (out / "results.json").exists()
+
+    # The rerun decodes only prompt 2 (after its warm-up) and reuses the journaled generations as they were.
+    counting.die_on_call, counting.calls = None, []
+    first = [json.loads(line)["runs"] for line in journal[1:]]
+    results = run(3)
+    assert len(counting.calls) == 2 and "bench: 2 of 3 prompts are in" in capsys.readouterr().err
+    assert results["meta"]["journal"]["reused"] == 2 and results["meta"]["journal"]["prompts"] == 3
+    rows = {r["method"]: r for r in results["rows"]}
+    assert rows["count"]["prompts"] == 3 and rows["count"]["exact"] and rows["none"]["prompts"] == 3
+    seconds = sum(r["count"]["seconds"] for r in first) + json.loads(
+        (out / bench.JOURNAL).read_text().splitlines()[3])["runs"]["count"]["seconds"]
+    assert rows["count"]["seconds"] == pytest.approx(seconds)
+
+    # A larger limit adds prompts; the same limit again decodes nothing (no warm-up either).
+    counting.calls = []
+    assert run(4)["meta"]["journal"]["reused"] == 3 and len(counting.calls) == 2
+    counting.calls = []
+    assert run(4)["meta"]["journal"]["reused"] == 4 and counting.calls == []
+
+    # A torn last line (killed mid-write) is dropped with a warning and that prompt decoded again.
+    text = (out / bench.JOURNAL).read_text()
+    (out / bench.JOURNAL).write_text(text[: text.rindex("\n", 0, len(text) - 1) + 1] + text.splitlines()[-1][:40])
+    capsys.readouterr()
+    assert run(4)["meta"]["journal"]["reused"] == 3 and len(counting.calls) == 2
+    assert "dropping a torn or unreadable line" in capsys.readouterr().err
+    assert len((out / bench.JOURNAL).read_text().splitlines()) == 5
+
+    # Other settings are refused by name; fresh starts over.
+    with pytest.raises(SelfdraftError, match=r"other settings \(max_new_tokens differ\).*--fresh"):
+        run(4, tokens=5)
+    with pytest.raises(SelfdraftError, match=r"other settings \(methods \(prompt-lookup\) differ\)"):
+        run(4, methods="count,prompt-lookup")
+    counting.calls = []
+    assert run(1, tokens=5, fresh=True)["meta"]["journal"]["reused"] == 0 and len(counting.calls) == 2
+    assert len((out / bench.JOURNAL).read_text().splitlines()) == 2

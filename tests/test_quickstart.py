@@ -2,6 +2,7 @@
 and a second run that reuses every stage."""
 
 import json
+import pathlib
 
 import pytest
 
@@ -15,8 +16,10 @@ def _args(tiny_target, out):
             "train.micro_batch_size=2", "drafter.eagle.draft_vocab_size=512", "train.eval_batches=1"]
 
 
-def test_quickstart_runs_end_to_end_and_a_second_run_reuses_its_stages(tiny_target, tmp_path, capsys):
-    out = tmp_path / "qs"
+def test_quickstart_runs_end_to_end_and_a_second_run_reuses_its_stages(tiny_target, tmp_path, capsys, monkeypatch):
+    # README's spelling: --out quickstart, a relative folder named like the preset the run reloads.
+    monkeypatch.chdir(tmp_path)
+    out = pathlib.Path("quickstart")
     assert main(_args(tiny_target, out)) == 0
     first = capsys.readouterr().out
     stages = json.loads((out / "stages.json").read_text())
