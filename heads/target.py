@@ -327,7 +327,8 @@ def load_target(spec: str, *, dtype: str | torch.dtype = "float32", device: str 
     """Load a frozen target from a built-in name, a local HF model folder or a hub name.
 
     The model uses sdpa attention (custom 4D float masks work), is in eval mode, has no parameter
-    requiring grad, and lies on ``device`` in ``dtype``. ``cache_dir`` is the root of the selfdraft
+    requiring grad, and lies on ``device`` in ``dtype``; on a CPU its linear layers take the few-row
+    float32 path of :mod:`selfdraft.heads.small_batch`. ``cache_dir`` is the root of the selfdraft
     cache (default ``$SELFDRAFT_CACHE`` or ``~/.cache/selfdraft``).
     """
     torch_dtype, dev = resolve_dtype(dtype), _resolve_device(device)
@@ -345,6 +346,10 @@ def load_target(spec: str, *, dtype: str | torch.dtype = "float32", device: str 
     model.eval()
     model.requires_grad_(False)
     model.to(dev)
+    if dev.type == "cpu":  # few-row forwards (tree verification) take the faster kernel; see small_batch.py
+        from selfdraft.heads.small_batch import use_small_batch_matmul
+
+        use_small_batch_matmul(model)
     if model.dtype != torch_dtype:
         raise SelfdraftError(f"target {spec} loaded as {model.dtype}, not the requested {torch_dtype}")
     cfg = model.config.get_text_config()

@@ -24,6 +24,7 @@ from transformers import DynamicCache
 from selfdraft.configs.decode import DynamicTreeConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.heads.eagle import EagleDrafter
+from selfdraft.heads.small_batch import use_small_batch_matmul
 from selfdraft.inference.drafters import Drafter, Verified
 from selfdraft.inference.session import StepOutput
 from selfdraft.inference.tree import DraftTree, additive_mask
@@ -50,6 +51,7 @@ class EagleTreeDrafter(Drafter):
     def __init__(self, drafter: EagleDrafter, target_model, config: DynamicTreeConfig = DynamicTreeConfig()):
         self.config = config.validate()
         self.drafter = drafter.to(device=target_model.device, dtype=target_model.dtype).eval()
+        use_small_batch_matmul(self.drafter)  # top_k rows per draft step
         self.embed = target_model.get_input_embeddings()
         self.lm_head = target_model.get_output_embeddings()
         text = target_model.config.get_text_config()

@@ -14,6 +14,7 @@ import torch
 
 from selfdraft.errors import SelfdraftError
 from selfdraft.heads.medusa import MedusaHeads
+from selfdraft.heads.small_batch import use_small_batch_matmul
 from selfdraft.inference.drafters import Drafter, Verified
 from selfdraft.inference.session import StepOutput
 from selfdraft.inference.tree import DraftTree
@@ -73,6 +74,7 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, heads: MedusaHeads, target_model, choices: Sequence[Sequence[int]] = CPU_CHOICES):
         self.heads = heads.to(device=target_model.device, dtype=target_model.dtype).eval()
+        use_small_batch_matmul(self.heads)  # the K heads' rows
         self.lm_head = target_model.get_output_embeddings()
         self.choices = normalise_choices(choices, heads.num_heads)
         self.hidden_layers = (target_model.config.get_text_config().num_hidden_layers,)  # final normed state
