@@ -65,6 +65,14 @@ def test_autograd_bf16_and_switched_off_take_f_linear(linear_calls, monkeypatch)
 def test_cpu_targets_and_drafters_get_it(tiny_target):
     from selfdraft.heads.target import load_target
 
+    from selfdraft.heads.eagle import EagleDrafter
+    from selfdraft.heads.medusa import MedusaHeads
+    from selfdraft.inference.eagle import EagleTreeDrafter
+    from selfdraft.inference.medusa import MedusaDrafter
+
     target = load_target(str(tiny_target))
     assert small_batch.uses_small_batch_matmul(target.model)
     assert type(target.model.lm_head).forward is nn.Linear.forward  # the class is untouched
+    eagle = EagleTreeDrafter(EagleDrafter(EagleDrafter.dims_for(target.model, "eagle")), target.model)
+    medusa = MedusaDrafter(MedusaHeads(32, target.identity.vocab_size, num_heads=2), target.model, [(0,), (0, 0)])
+    assert small_batch.uses_small_batch_matmul(eagle.drafter) and small_batch.uses_small_batch_matmul(medusa.heads)
