@@ -566,19 +566,16 @@ class Journal:
                 "keep the target, dtype, threads, methods (and their files), max_new_tokens and seed: use another "
                 "--out, or pass --fresh to start this one over")
         good = lines[:1]
-        for line in lines[1:]:
-            if not line.strip():
-                continue
+        for line in filter(str.strip, lines[1:]):
             try:
                 record = json.loads(line)
                 key = (record["task"], float(record["temperature"]), record["prompt_id"])
             except (ValueError, KeyError, TypeError):
                 _warn(f"{self.path}: dropping a torn or unreadable line (an interrupted write); that prompt is decoded again")
+                _write_atomic(self.path, ("\n".join(good) + "\n").encode("utf-8"))
                 break
             self.groups[key] = record
             good.append(line)
-        if len(good) - 1 != sum(1 for line in lines[1:] if line.strip()):
-            _write_atomic(self.path, ("\n".join(good) + "\n").encode("utf-8"))
 
     def get(self, task: str, temperature: float, prompt_id: str, ids_digest: str, labels: Sequence[str]) -> dict | None:
         """The journaled generations of one prompt, or None if it must be decoded (absent, another
