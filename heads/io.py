@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from selfdraft.errors import SelfdraftError
+from selfdraft.files import as_if_created
 from selfdraft.heads.medusa import MedusaHeads
 from selfdraft.heads.target import TargetIdentity
 
@@ -85,6 +86,7 @@ def write_folder(folder: str | os.PathLike, weights_name: str, tensors: dict[str
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(work / weights_name), metadata=metadata)
         (work / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        as_if_created(work)
         if folder.exists():
             old = folder.parent / f".{folder.name}.old-{os.getpid()}"
             os.rename(folder, old)

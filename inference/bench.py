@@ -39,6 +39,7 @@ import torch
 
 from selfdraft.configs.decode import DecodeConfig, DraftModelConfig, DynamicTreeConfig, PromptLookupConfig
 from selfdraft.errors import SelfdraftError
+from selfdraft.files import as_if_created
 from selfdraft.inference.prompts import (
     MT_BENCH_CATEGORIES, Prompt, humaneval_prompts, jsonl_prompts, mt_bench_prompts, round_robin,
 )
@@ -845,6 +846,7 @@ def _write_atomic(path: pathlib.Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        as_if_created(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from selfdraft.errors import SelfdraftError
+from selfdraft.files import as_if_created
 from selfdraft.heads.io import read_weights
 
 STATE_FILE = "state.json"
@@ -135,6 +136,7 @@ def publish(root: pathlib.Path, step: int, state: dict[str, Any], keep_last: int
     """Write ``state.json`` into the staging folder, rename it into place, prune old checkpoints."""
     work, final = staging_dir(root, step), checkpoint_dir(root, step)
     (work / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+    as_if_created(work)
     if final.exists():
         shutil.rmtree(final)
     os.rename(work, final)

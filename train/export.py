@@ -9,6 +9,7 @@ import shutil
 import torch
 
 from selfdraft.errors import SelfdraftError
+from selfdraft.files import as_if_created
 
 
 def export_run(run: str | os.PathLike, out: str | os.PathLike | None = None) -> pathlib.Path:
@@ -34,6 +35,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike | None = None) -> 
         shutil.rmtree(work, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(finished, work)
+        as_if_created(work)  # copytree keeps the source modes, whatever they are
         shutil.rmtree(out, ignore_errors=True)
         os.rename(work, out)
         return out

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from selfdraft.errors import SelfdraftError
+from selfdraft.files import as_if_created
 
 MANIFEST = "features.json"
 FORMAT_VERSION = 1
@@ -200,6 +201,7 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
         part = path.with_suffix(".tmp")
         save_file({"features": torch.cat(rows).contiguous(), "offsets": offsets,
                    "examples": torch.tensor(plan[name][s], dtype=torch.int64)}, str(part))
+        as_if_created(part)
         os.replace(part, path)
     progress.close()
     return out

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from selfdraft.configs.run import RunConfig
 from selfdraft.configs.schema import to_dict
 from selfdraft.errors import SelfdraftError
+from selfdraft.files import as_if_created
 from selfdraft.train import checkpoint as ckpt
 
 # Keys whose change is allowed when resuming (they do not change what the finished run computes,
@@ -221,6 +222,7 @@ def export_drafter(objective, config: RunConfig, target, rank_acc: torch.Tensor 
         merged.save_pretrained(work, safe_serialization=True)
         if target.tokenizer is not None:
             target.tokenizer.save_pretrained(work)
+        as_if_created(work)
         shutil.rmtree(merged_dir, ignore_errors=True)
         os.rename(work, merged_dir)
         identity = dataclasses.replace(identity, name=str(merged_dir), tokenizer_hash=tokenizer_fingerprint(target.tokenizer))
