@@ -659,6 +659,7 @@ def run_bench(
     labels = [c.label for c in choices]
     if len(set(labels)) != len(labels):
         raise SelfdraftError(f"a method is listed twice: {', '.join(sorted({x for x in labels if labels.count(x) > 1}))}")
+    short = method_labels(labels)
     task_names = _split(tasks)
     if not task_names:
         raise SelfdraftError(f"no task given; valid tasks: {', '.join(TASKS)}, or the path of a JSONL prompts file")
@@ -734,7 +735,7 @@ def run_bench(
                     shift = index % len(active)
                     done = {}
                     for c in active[shift:] + active[:shift]:  # rotate the order from prompt to prompt
-                        bar.set_postfix_str(_short(c.label, 40), refresh=False)
+                        bar.set_postfix_str(_short(short[c.label], 48), refresh=False)
                         start = _clock(dev)
                         generation = runners[c.label](ids, t, s, max_new_tokens)
                         done[c.label] = (generation, _clock(dev) - start)
@@ -968,10 +969,34 @@ def _short(label: str, width: int = 28) -> str:
     return label if len(label) <= width else "..." + label[-(width - 3):]
 
 
+def _cut_path(label: str, parts: int) -> str:
+    """``label`` with the path in its spec cut to the last ``parts`` parts; prefix and options kept."""
+    spec, at, options = label.partition("@")
+    prefix, colon, path = spec.partition(":") if ":" in spec and "/" not in spec.split(":")[0] else ("", "", spec)
+    if "/" in path:
+        path = "/".join(pathlib.PurePath(path).parts[-parts:])
+    return prefix + colon + path + at + options
+
+
+def method_labels(methods: Sequence[str]) -> dict[str, str]:
+    """Short, distinct legend labels: a drafter folder's path cut to its last two parts, more where
+    that is needed to tell two methods apart, options kept (``runs/eagle3-smollm2/drafter@depth=3``
+    -> ``eagle3-smollm2/drafter@depth=3``)."""
+    parts = dict.fromkeys(methods, 2)
+    while True:
+        labels = {m: _cut_path(m, parts[m]) for m in methods}
+        clashing = [m for m in methods if list(labels.values()).count(labels[m]) > 1 and labels[m] != m]
+        if not clashing:
+            return labels
+        for m in clashing:
+            parts[m] += 1
+
+
 def _speedup_figure(results: dict):
     temps = results["meta"]["temperatures"]
     tasks = results["meta"]["tasks"]
-    figure, axes = _figure(len(temps), width=max(6.0, 1.6 * len(tasks) + 3))
+    labels = method_labels(results["meta"]["methods"])
+    figure, axes = _figure(len(temps), width=max(6.0, 1.6 * len(tasks) + 3) + 0.09 * max(map(len, labels.values())))
     for ax, t in zip(axes, temps):
         rows = [r for r in results["rows"] if r["temperature"] == t and not r["baseline"]]
         methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -983,13 +1008,13 @@ def _speedup_figure(results: dict):
                 if hit:
                     xs.append(i - 0.4 + width * (j + 0.5))
                     ys.append(hit[0]["speedup"])
-            ax.bar(xs, ys, width, label=_short(method), color=_colors(results)[method])
+            ax.bar(xs, ys, width, label=labels[method], color=_colors(results)[method])
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_xticks(range(len(tasks)), [_short(task, 20) for task in tasks])
         ax.set_ylabel(f"speedup vs {BASELINE}")
         ax.set_title(f"temperature {t:g}")
         if methods:
-            ax.legend(fontsize="small")
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
         else:
             ax.text(0.5, 0.5, "only the baseline ran", ha="center", transform=ax.transAxes)
     return figure
@@ -1014,7 +1039,7 @@ def _histogram_figure(results: dict):
         ax.set_xticks(range(1, top + 1))
         ax.set_xlabel("tokens emitted per target forward")
         ax.set_ylabel("share of forwards")
-        ax.set_title(_short(method, 60))
+        ax.set_title(method_labels(results["meta"]["methods"])[method])
         ax.legend(fontsize="small")
     if not methods:
         axes[0].text(0.5, 0.5, "no drafting method reported a histogram", ha="center", transform=axes[0].transAxes)
@@ -1025,13 +1050,14 @@ def _depth_figure(results: dict):
     from matplotlib.ticker import MaxNLocator
 
     groups = _groups(results)
-    figure, axes = _figure(len(groups), height=3.0)
+    labels = method_labels(results["meta"]["methods"])
+    figure, axes = _figure(len(groups), width=6.0 + 0.09 * max(map(len, labels.values())), height=3.0)
     for ax, (task, t, rows) in zip(axes, groups):
         drew = False
         for r in rows:
             depth = r["per_depth_acceptance"]
             if depth:
-                ax.plot([int(d) for d in depth], list(depth.values()), marker="o", label=_short(r["method"]),
+                ax.plot([int(d) for d in depth], list(depth.values()), marker="o", label=labels[r["method"]],
                         color=_colors(results)[r["method"]])
                 drew = True
         ax.set_ylim(-0.03, 1.03)
@@ -1040,7 +1066,7 @@ def _depth_figure(results: dict):
         ax.set_ylabel("accepted at d")
         ax.set_title(f"{_short(task, 30)}, temperature {t:g}")
         if drew:
-            ax.legend(fontsize="small")
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
         else:
             ax.text(0.5, 0.5, "no drafting method", ha="center", transform=ax.transAxes)
     return figure

@@ -302,3 +302,15 @@ def test_an_interrupted_bench_resumes_from_its_journal(tiny_target, tmp_path, mo
     counting.calls = []
     assert run(1, tokens=5, fresh=True)["meta"]["journal"]["reused"] == 0 and len(counting.calls) == 2
     assert len((out / bench.JOURNAL).read_text().splitlines()) == 2
+
+
+def test_plot_labels_are_short_and_tell_methods_apart():
+    methods = ["none", "prompt-lookup@tokens=4", "runs/eagle-smollm2/drafter@depth=3,top_k=2,nodes=4",
+               "runs/eagle3-smollm2/drafter@depth=3,top_k=2,nodes=4", "hf-assisted:models/draft@tokens=5",
+               "/home/me/a/x/drafter", "/home/me/b/x/drafter"]
+    labels = bench.method_labels(methods)
+    assert labels["none"] == "none" and labels["prompt-lookup@tokens=4"] == "prompt-lookup@tokens=4"
+    assert labels["runs/eagle3-smollm2/drafter@depth=3,top_k=2,nodes=4"] == "eagle3-smollm2/drafter@depth=3,top_k=2,nodes=4"
+    assert labels["hf-assisted:models/draft@tokens=5"] == "hf-assisted:models/draft@tokens=5"
+    assert labels["/home/me/a/x/drafter"] == "a/x/drafter"  # two parts would not tell a/x from b/x
+    assert len(set(labels.values())) == len(methods)
