@@ -725,6 +725,7 @@ def run_bench(
                     runners[c.label](warm_ids, t, prompt_seed(seed, "warm-up"), max_new_tokens)
 
         tallies: dict[tuple[str, float, str], _Tally] = {}
+        by_category: dict[tuple[str, str, float, str], _Tally] = {}
         bar = tqdm(total=sum(len(active) for *_, active, _ in plan), file=sys.stderr, disable=not progress,
                    unit="gen", dynamic_ncols=True)
         try:
@@ -745,6 +746,8 @@ def run_bench(
                     bar.update(len(active))
                 for c in active:
                     tallies.setdefault((task, t, c.label), _Tally()).add(prompt.id, *done[c.label])
+                    if prompt.category:
+                        by_category.setdefault((task, prompt.category, t, c.label), _Tally()).add(prompt.id, *done[c.label])
         finally:
             bar.close()
         meta = _meta(target, choices, task_names, temps, max_new_tokens, limit, seed, command)
@@ -761,7 +764,17 @@ def run_bench(
             for c in choices:
                 if (task, t, c.label) in tallies:
                     rows.append(_row(task, t, c, tallies[(task, t, c.label)], base))
-    results = {"meta": meta, "rows": rows, "skipped": skipped,
+    category_rows = []  # the same fields per category, where a task's prompts span more than one
+    for task in task_names:
+        categories = list(dict.fromkeys(p.category for p, _ in encoded[task] if p.category))
+        for category in categories if len(categories) > 1 else []:
+            for t in temps:
+                base = by_category[(task, category, t, BASELINE)]
+                for c in choices:
+                    if (task, category, t, c.label) in by_category:
+                        category_rows.append({"category": category,
+                                              **_row(task, t, c, by_category[(task, category, t, c.label)], base)})
+    results = {"meta": meta, "rows": rows, "category_rows": category_rows, "skipped": skipped,
                "prompts": {task: [p.id for p, _ in items] for task, items in encoded.items()}}
     for row in rows:
         if row["exact"] is False:
@@ -909,6 +922,26 @@ def render_tables(results: dict) -> str:
     return "\n\n".join(parts)
 
 
+def _category_table(results: dict, task: str, t: float) -> str:
+    """Markdown table of speedup (tau) per method x category of ``task`` at ``t``; '' if none."""
+    rows = [r for r in results.get("category_rows", []) if r["task"] == task and r["temperature"] == t]
+    categories = list(dict.fromkeys(r["category"] for r in rows))
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != BASELINE]
+    if not categories or not methods:
+        return ""
+    cell = {(r["method"], r["category"]): r for r in rows}
+    lines = ["| method | " + " | ".join(f"{c} ({cell[BASELINE, c]['prompts']})" for c in categories) + " |",
+             "|---|" + "---:|" * len(categories)]
+    for m in methods:
+        parts = []
+        for c in categories:
+            r = cell.get((m, c))
+            tau = f" ({r['acceptance_length']:.2f})" if r and r["acceptance_length"] is not None else ""
+            parts.append(f"{r['speedup']:.2f}x{tau}" if r else "-")
+        lines.append(f"| `{m}` | " + " | ".join(parts) + " |")
+    return "\n".join(lines)
+
+
 def render_report(results: dict, plots: bool = True) -> str:
     m = results["meta"]
     machine = m["machine"]
@@ -937,6 +970,10 @@ def render_report(results: dict, plots: bool = True) -> str:
         if depth_lines:
             lines += ["Per-depth acceptance (share of steps that drafted depth d and accepted a token there):", "",
                       *depth_lines, ""]
+        by_category = _category_table(results, task, t)
+        if by_category:
+            lines += ["Speedup over the baseline by category (tau; prompts per category in brackets):", "",
+                      by_category, ""]
         skipped = _skipped_line(results, t)
         if skipped:
             lines += [skipped, ""]

@@ -119,6 +119,17 @@ def test_bench_writes_every_field_and_flags_an_inexact_method(tiny_target, tiny_
     assert all(0 <= a <= 1 for a in drafted["per_depth_acceptance"].values())
     assert by["humaneval", methods[3]]["per_depth_acceptance"]  # the Medusa folder decoded with its rebuilt tree
 
+    # MT-bench rows again per category (HumanEval has none); the same fields, adding up to the task's row.
+    cats = results["category_rows"]
+    assert {(r["task"], r["category"]) for r in cats} == {("mt_bench", "writing"), ("mt_bench", "roleplay")}
+    for r in cats:
+        assert ROW_FIELDS <= set(r) and r["prompts"] == 1
+        base = next(b for b in cats if b["category"] == r["category"] and b["method"] == "none")
+        assert r["speedup"] == pytest.approx(r["tokens_per_second"] / base["tokens_per_second"])
+        assert r["exact"] is (r["method"] != "flip")
+    for m in ["none", *methods]:
+        assert sum(r["new_tokens"] for r in cats if r["method"] == m) == by["mt_bench", m]["new_tokens"]
+
     warnings = re.findall(r"^WARNING: (\S+) is not token-identical to none on task (\S+) at temperature 0: 2 of 2 "
                           r"prompts differ", err, flags=re.M)
     assert warnings == [("flip", "mt_bench"), ("flip", "humaneval")], err
@@ -127,6 +138,7 @@ def test_bench_writes_every_field_and_flags_an_inexact_method(tiny_target, tiny_
     assert "**WARNING: `flip` is not token-identical to `none`" in report
     assert report.count("| method | tok/s | speedup | tau | forwards/token | drafting share | exact |") == 2
     assert "Per-depth acceptance" in report and "`none` (baseline)" in report
+    assert report.count("Speedup over the baseline by category") == 1 and "| method | writing (1) | roleplay (1) |" in report
     for name in bench.PLOTS:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / name).stat().st_size > 1000
     assert not [p for p in out.iterdir() if p.name.startswith(".")], "temporary files left behind"
