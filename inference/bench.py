@@ -1019,14 +1019,15 @@ def method_labels(methods: Sequence[str]) -> dict[str, str]:
     """Short, distinct legend labels: a drafter folder's path cut to its last two parts, more where
     that is needed to tell two methods apart, options kept (``runs/eagle3-smollm2/drafter@depth=3``
     -> ``eagle3-smollm2/drafter@depth=3``)."""
-    parts = dict.fromkeys(methods, 2)
+    parts: dict[str, int | None] = dict.fromkeys(methods, 2)  # None: the label in full
     while True:
-        labels = {m: _cut_path(m, parts[m]) for m in methods}
-        clashing = [m for m in methods if list(labels.values()).count(labels[m]) > 1 and labels[m] != m]
+        labels = {m: m if n is None else _cut_path(m, n) for m, n in parts.items()}
+        clashing = [m for m, n in parts.items() if n is not None and list(labels.values()).count(labels[m]) > 1]
         if not clashing:
             return labels
         for m in clashing:
-            parts[m] += 1
+            longer = _cut_path(m, parts[m] + 1)
+            parts[m] = None if longer == labels[m] else parts[m] + 1
 
 
 def _speedup_figure(results: dict):

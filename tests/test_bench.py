@@ -326,3 +326,6 @@ def test_plot_labels_are_short_and_tell_methods_apart():
     assert labels["hf-assisted:models/draft@tokens=5"] == "hf-assisted:models/draft@tokens=5"
     assert labels["/home/me/a/x/drafter"] == "a/x/drafter"  # two parts would not tell a/x from b/x
     assert len(set(labels.values())) == len(methods)
+    same_folder = bench.method_labels(["runs/x/drafter", "./runs/x/drafter", "y/drafter"])
+    assert same_folder == {"runs/x/drafter": "runs/x/drafter", "./runs/x/drafter": "./runs/x/drafter",
+                           "y/drafter": "y/drafter"}
