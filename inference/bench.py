@@ -1063,6 +1063,7 @@ def _histogram_figure(results: dict):
                 if r["per_depth_acceptance"] or set(r["acceptance_histogram"] or {}) - {"1"}}
     rows = [r for r in results["rows"] if r["method"] in drafting and r["acceptance_histogram"]]
     methods = list(dict.fromkeys(r["method"] for r in rows))
+    labels = method_labels(results["meta"]["methods"])
     figure, axes = _figure(max(len(methods), 1), height=3.0)
     for ax, method in zip(axes, methods):
         series = [r for r in rows if r["method"] == method]
@@ -1077,7 +1078,7 @@ def _histogram_figure(results: dict):
         ax.set_xticks(range(1, top + 1))
         ax.set_xlabel("tokens emitted per target forward")
         ax.set_ylabel("share of forwards")
-        ax.set_title(method_labels(results["meta"]["methods"])[method])
+        ax.set_title(labels[method])
         ax.legend(fontsize="small")
     if not methods:
         axes[0].text(0.5, 0.5, "no drafting method reported a histogram", ha="center", transform=axes[0].transAxes)
