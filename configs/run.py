@@ -80,6 +80,11 @@ class MedusaConfig:
 class EagleConfig:
     """EAGLE-1 (``kind: eagle``) and EAGLE-3 (``kind: eagle3``) feature drafters."""
 
+    layer: Literal["llama", "target"] = "llama"
+    """The draft decoder layer: a Llama layer shaped like the target (what vLLM and SGLang build for
+    every EAGLE drafter, whatever the target's family: no q/k/v biases, no q/k norms), or the target
+    family's own layer class (decodes here; engines cannot load it, and export to them is refused)."""
+
     regression_weight: float = 1.0
     """EAGLE-1: weight of the smooth-L1 regression of the next feature."""
     kl_weight: float = 0.1
@@ -93,7 +98,9 @@ class EagleConfig:
     draft_vocab_size: int = 8192
     """EAGLE-3: the most frequent target tokens (assistant tokens of the training data) it drafts from."""
     aux_layers: list[int] = field(default_factory=list)
-    """EAGLE-3: target hidden_states indices fused; empty for vLLM/SGLang's default (2, L//2, L-3)."""
+    """EAGLE-3: the target layers fused, as transformers ``hidden_states`` indices (index i is the
+    input of decoder layer i); empty for the engines' default (2, L//2, L-3). Exports translate them
+    into each engine's own convention."""
     tree_depth: int = 3
     tree_top_k: int = 2
     tree_nodes: int = 4

@@ -1,11 +1,15 @@
 """EAGLE feature drafters, weights and forward only: EAGLE-1 (kind ``eagle``) and EAGLE-3 (``eagle3``).
 
-Both run one decoder layer of the target's own family (transformers' layer class, configured like the
-target) over pairs (feature at position t, embedding of token t+1) and predict what comes next.
+Both run one decoder layer over pairs (feature at position t, embedding of token t+1) and predict
+what comes next. The layer is a Llama decoder layer configured like the target (``layer="llama"``, the
+default: serving engines build every EAGLE draft layer as a Llama layer, whatever the target's
+family, so a Qwen2 target's drafter has no q/k/v biases and a Qwen3 target's no q/k norms), or the
+target's own family's layer class (``layer="target"``: decodes here, but engines cannot load it).
 
-* EAGLE-1: ``x = fc(cat(embed(token_{t+1}), f_t))`` with fc [H, 2H], then the decoder layer without
-  its input norm (vLLM's layout); the output is the predicted feature f_{t+1}, and the logits are the
-  target's LM head applied to it. f is the target's final normed hidden state (what its LM head reads).
+* EAGLE-1: ``x = fc(cat(embed(token_{t+1}), f_t))`` with fc [H, 2H] (with a bias only where an
+  imported SGLang / reference drafter has one: ``fc_bias``), then the decoder layer without its input
+  norm; the output is the predicted feature f_{t+1}, and the logits are the target's LM head applied
+  to it. f is the target's final normed hidden state (what its LM head reads).
 * EAGLE-3: the feature is ``g_t = fc(cat(h_low, h_mid, h_high))`` with fc [H, 3H] over three target
   layers (step 0), or the drafter's own previous output (later steps). The attention reads
   ``cat(input_layernorm(embed(token_{t+1})), hidden_norm(g_t))`` [2H] and the residual stream is g_t.
@@ -26,6 +30,27 @@ import torch
 from torch import nn
 
 KINDS = ("eagle", "eagle3")
+LAYERS = ("llama", "target")
+
+# Fields of the target's text config that a Llama draft layer takes over unchanged.
+_LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "bos_token_id",
+                 "eos_token_id", "pad_token_id")
+
+
+def llama_layer_config(text_config) -> dict[str, Any]:
+    """A one-layer Llama config shaped like ``text_config`` (any family): the same hidden, MLP and
+    attention sizes, head dim, activation, norm epsilon and RoPE, with no biases, no q/k norms and
+    untied embeddings. This is the layer vLLM and SGLang build for an EAGLE drafter."""
+    from transformers import LlamaConfig
+
+    values = {k: getattr(text_config, k) for k in _LLAMA_FIELDS if getattr(text_config, k, None) is not None}
+    values["head_dim"] = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    config = LlamaConfig(**values, num_hidden_layers=1, attention_bias=False, mlp_bias=False, tie_word_embeddings=False)
+    out = config.to_dict()
+    for volatile in ("architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path"):
+        out.pop(volatile, None)
+    return out
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -78,7 +103,7 @@ class EagleDrafter(nn.Module):
                 raise ValueError(f"{type(layer).__name__} has no {name}: EAGLE drafters need a Llama-like layer")
         self.rotary = _rotary_class(cfg)(config=cfg)
         if kind == "eagle":
-            self.fc = nn.Linear(2 * H, H, bias=False)
+            self.fc = nn.Linear(2 * H, H, bias=bool(dims.get("fc_bias", False)))
             layer.input_layernorm = nn.Identity()  # the fused input is not normalised (EAGLE-1 / vLLM layout)
             self.layer = layer
         else:
@@ -99,11 +124,23 @@ class EagleDrafter(nn.Module):
 
     @staticmethod
     def dims_for(target_model, kind: str, draft_vocab_size: int | None = None,
-                 aux_layers: list[int] | None = None) -> dict[str, Any]:
+                 aux_layers: list[int] | None = None, layer: str = "llama", fc_bias: bool = False) -> dict[str, Any]:
+        """Constructor dims of a drafter for ``target_model``: ``layer`` ``llama`` (what engines load)
+        or ``target`` (the target family's own layer class); ``fc_bias`` only for EAGLE-1 imports."""
+        if layer not in LAYERS:
+            raise ValueError(f"EAGLE draft layer must be one of {LAYERS}, got {layer!r}")
         text = target_model.config.get_text_config()
-        dims: dict[str, Any] = {"kind": kind, "vocab_size": int(text.vocab_size), "layer_config": text.to_dict()}
-        for volatile in ("architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path"):
-            dims["layer_config"].pop(volatile, None)
+        if layer == "llama":
+            layer_config = llama_layer_config(text)
+        else:
+            layer_config = text.to_dict()
+            for volatile in ("architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path"):
+                layer_config.pop(volatile, None)
+        dims: dict[str, Any] = {"kind": kind, "vocab_size": int(text.vocab_size), "layer_config": layer_config}
+        if fc_bias:
+            if kind != "eagle":
+                raise ValueError("only EAGLE-1 drafters have an fc bias")
+            dims["fc_bias"] = True
         if kind == "eagle3":
             dims["aux_layers"] = aux_layers or default_aux_layers(text.num_hidden_layers)
             dims["draft_vocab_size"] = int(draft_vocab_size or text.vocab_size)

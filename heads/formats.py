@@ -34,10 +34,11 @@ def _block_key(name: str) -> tuple[int, int, str] | None:
     return (int(m[1]), int(m[2]), m[3]) if m else None
 
 
-def export_vllm_medusa(heads: MedusaHeads, folder: str | os.PathLike, lm_head_weight: torch.Tensor | None = None) -> pathlib.Path:
-    """Write ``heads`` in vLLM's MedusaModel layout. Heads that share the target's LM head need its
-    weight (V, D): vLLM's Medusa holds its own copy (``original_lm_head``)."""
-    from safetensors.torch import save_file
+def export_vllm_medusa(heads: MedusaHeads, folder: str | os.PathLike, lm_head_weight: torch.Tensor | None = None,
+                       card: str | None = None) -> pathlib.Path:
+    """Write ``heads`` in vLLM's MedusaModel layout (vLLM 0.32.0 ``model_executor/models/medusa.py``),
+    with ``card`` as README.md. Heads that share the target's LM head need its weight (V, D): vLLM's
+    Medusa holds its own copy (``original_lm_head``)."""
 
     shared = heads.lm_heads is None
     if shared and lm_head_weight is None:
@@ -57,7 +58,7 @@ def export_vllm_medusa(heads: MedusaHeads, folder: str | os.PathLike, lm_head_we
         "vocab_size": heads.vocab_size, "num_heads": heads.num_heads, "num_hidden_layers": len(heads.blocks[0]),
         "medusa_fc_bias": True, "original_lm_head": shared, "truncated_vocab_size": heads.vocab_size,
     }
-    return write_folder(folder, VLLM_WEIGHTS, tensors, config)
+    return write_folder(folder, VLLM_WEIGHTS, tensors, config, extra_files={"README.md": card} if card else None)
 
 
 def import_vllm_medusa(folder: str | os.PathLike) -> tuple[MedusaHeads, torch.Tensor | None]:

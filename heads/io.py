@@ -45,6 +45,9 @@ class DrafterRecord:
     """Decode defaults stored with the drafter (e.g. Medusa tree ``choices``)."""
     run_config: dict[str, Any] | None = None
     """The resolved training config, kept for provenance."""
+    evaluation: dict[str, Any] | None = None
+    """The last held-out evaluation of the run (``step`` and per-depth ``top1`` / ``topk``), for
+    model cards; absent in folders written before it was recorded."""
 
 
 def _build_medusa(dims: dict[str, Any]) -> nn.Module:
@@ -65,6 +68,8 @@ BUILDERS = {
     "eagle": (_build_eagle, ("kind", "vocab_size", "layer_config")),
     "eagle3": (_build_eagle, ("kind", "vocab_size", "layer_config", "aux_layers", "draft_vocab_size")),
 }
+OPTIONAL_DIMS = {"eagle": ("fc_bias",)}
+"""Dims a kind may carry beyond its required ones (an EAGLE-1 drafter imported with an fc bias)."""
 
 
 def medusa_dims(heads: MedusaHeads) -> dict[str, Any]:
@@ -75,9 +80,10 @@ def medusa_dims(heads: MedusaHeads) -> dict[str, Any]:
 
 
 def write_folder(folder: str | os.PathLike, weights_name: str, tensors: dict[str, torch.Tensor], config: dict,
-                 metadata: dict[str, str] | None = None) -> pathlib.Path:
-    """Write ``config.json`` and a safetensors file as one folder, atomically: both go into a
-    temporary sibling that is renamed into place (an old folder is replaced only once the new is whole)."""
+                 metadata: dict[str, str] | None = None, extra_files: dict[str, str] | None = None) -> pathlib.Path:
+    """Write ``config.json``, a safetensors file and ``extra_files`` (name -> text, e.g. a README.md
+    model card) as one folder, atomically: all go into a temporary sibling that is renamed into
+    place (an old folder is replaced only once the new is whole)."""
     from safetensors.torch import save_file
 
     folder = pathlib.Path(folder)
@@ -86,6 +92,8 @@ def write_folder(folder: str | os.PathLike, weights_name: str, tensors: dict[str
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(work / weights_name), metadata=metadata)
         (work / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        for name, text in (extra_files or {}).items():
+            (work / name).write_text(text, encoding="utf-8")
         as_if_created(work)
         if folder.exists():
             old = folder.parent / f".{folder.name}.old-{os.getpid()}"
@@ -107,6 +115,8 @@ def save_drafter(folder: str | os.PathLike, module: nn.Module, record: DrafterRe
         "format": FORMAT, "format_version": FORMAT_VERSION, "kind": record.kind, "dims": record.dims,
         "target": record.target.to_dict(), "decode": record.decode, "run_config": record.run_config,
     }
+    if record.evaluation is not None:
+        config["evaluation"] = record.evaluation
     return write_folder(folder, WEIGHTS_FILE, module.state_dict(), config, metadata={"format": FORMAT})
 
 
@@ -135,18 +145,20 @@ def read_record(folder: str | os.PathLike) -> DrafterRecord:
     if raw.get("format_version") != FORMAT_VERSION:
         raise SelfdraftError(f"{path} has format version {raw.get('format_version')!r}; this selfdraft reads {FORMAT_VERSION}")
     expected = {"format", "format_version", "kind", "dims", "target", "decode", "run_config"}
-    missing, unknown = sorted(expected - set(raw)), sorted(set(raw) - expected)
+    missing, unknown = sorted(expected - set(raw)), sorted(set(raw) - expected - {"evaluation"})
     if missing or unknown:
         raise SelfdraftError(f"{path}: missing fields {missing}, unknown fields {unknown}")
     if raw["kind"] not in BUILDERS:
         raise SelfdraftError(f"{path}: unknown drafter kind {raw['kind']!r}; known: {', '.join(BUILDERS)}")
     _, dim_names = BUILDERS[raw["kind"]]
     dims = raw["dims"]
-    if not isinstance(dims, dict) or sorted(dims) != sorted(dim_names):
-        raise SelfdraftError(f"{path}: dims must have exactly {sorted(dim_names)}, got {sorted(dims) if isinstance(dims, dict) else dims!r}")
+    optional = OPTIONAL_DIMS.get(raw["kind"], ())
+    if not isinstance(dims, dict) or not set(dim_names) <= set(dims) <= set(dim_names) | set(optional):
+        raise SelfdraftError(f"{path}: dims must have exactly {sorted(dim_names)} (optionally {sorted(optional)}), "
+                             f"got {sorted(dims) if isinstance(dims, dict) else dims!r}")
     return DrafterRecord(
         kind=raw["kind"], dims=dims, target=TargetIdentity.from_dict(raw["target"]),
-        decode=raw["decode"] or {}, run_config=raw["run_config"],
+        decode=raw["decode"] or {}, run_config=raw["run_config"], evaluation=raw.get("evaluation"),
     )
 
 

@@ -325,6 +325,16 @@ def _resolve_device(device: str) -> torch.device:
     return dev
 
 
+def target_folder(spec: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path | None:
+    """The Hugging Face model folder behind a target spec, for tools that load it themselves (a
+    serving engine): a built-in's converted folder (converted now if needed), a local folder as
+    given, or None for a hub name (the engine fetches it by name)."""
+    if str(spec) in BUILTIN_TARGETS:
+        return _materialise_builtin(BUILTIN_TARGETS[str(spec)], target_cache_dir(cache_dir))
+    path = pathlib.Path(str(spec)).expanduser()
+    return path.resolve() if path.is_dir() else None
+
+
 def load_target(spec: str, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
                 trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None) -> Target:
     """Load a frozen target from a built-in name, a local HF model folder or a hub name.

@@ -115,10 +115,14 @@ def _run_generate(args) -> int:
 
 
 def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="write a trained drafter in selfdraft's native layout or a serving engine's (vLLM's MedusaModel)")
+    p = sub.add_parser("export", help="write a trained drafter in selfdraft's native layout or a serving engine's",
+                       description="Write a trained drafter for a serving engine (with a README.md model card and the "
+                       "command that serves it), or as selfdraft's native folder. A drafter the engine cannot load as "
+                       "trained is refused with the reason; nothing is written then.")
     p.add_argument("drafter", help="a training run folder (its drafter/, else its latest checkpoint) or a native drafter folder")
-    p.add_argument("--format", required=True, choices=["native", "vllm", "sglang"],
-                   help="native, or the serving layout: vllm (Medusa, EAGLE-1, EAGLE-3) or sglang (EAGLE-1, EAGLE-3: the same files)")
+    p.add_argument("--format", required=True, choices=["native", "vllm", "sglang", "eagle"],
+                   help="native, or an engine: vllm (Medusa, EAGLE-1, EAGLE-3), sglang (EAGLE-1, EAGLE-3; SpecForge "
+                   "reads the same layout) or eagle (the reference SafeAILab/EAGLE code)")
     p.add_argument("--out", required=True, help="folder to write (replaced atomically)")
     p.add_argument("--target", default=None, help="target spec, needed when the heads share its LM head (default: the recorded target)")
     p.set_defaults(func=_run_export)

@@ -10,7 +10,8 @@ Stages, each recorded in ``OUT/stages.json`` when it finishes and skipped when t
    SmolLM2-135M-Instruct and the embedded ShareGPT conversations). The first ``calibration_steps``
    steps (inside the warm-up, so the schedule does not depend on the total yet) are timed; the run is
    then resumed with ``max_steps`` set so that it ends within ``--budget-minutes``.
-2. **export** it in vLLM's / SGLang's EAGLE layout next to the native one.
+2. **export** it for vLLM and for SGLang (``OUT/export-vllm``, ``OUT/export-sglang``, each with a
+   README.md model card and its serving command) next to the native one.
 3. **bench** it against the vanilla baseline (our loop without a drafter), prompt lookup and
    transformers' greedy and prompt-lookup decoding on a subset of MT-bench and HumanEval, greedy
    (token identity is checked), and print the table and where the report is.
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from selfdraft.errors import SelfdraftError
 
 BENCH_METHODS = ("none", "prompt-lookup", "hf-greedy", "hf-prompt-lookup")
+EXPORT_FORMATS = ("vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -127,13 +129,16 @@ def quickstart(qc: QuickstartConfig) -> dict:
 
     # 2. export
     if stages.done("export"):
-        _say(f"export: done before ({stages.done('export')['folder']}), skipped")
+        _say(f"export: done before ({', '.join(stages.done('export')['folders'].values())}), skipped")
     else:
         from selfdraft.train.export import export
 
-        folder, message = export(drafter, "vllm", out / "export-vllm")
-        stages.finish("export", {"folder": str(folder), "format": "vllm"})
-        _say(f"export: {message}")
+        folders = {}
+        for fmt in EXPORT_FORMATS:  # each folder has a README.md with the command that serves it
+            folder, message = export(drafter, fmt, out / f"export-{fmt}")
+            folders[fmt] = str(folder)
+            _say(f"export: {message}")
+        stages.finish("export", {"folders": folders})
 
     # 3. bench
     if stages.done("bench"):

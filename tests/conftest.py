@@ -40,13 +40,14 @@ def truncated_smollm2(embedded_fp32, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_target(embedded_fp32, tmp_path_factory):
-    """A 2-layer random Llama (hidden 32) with the embedded target's tokenizer, as an HF folder."""
+    """A 7-layer random Llama (hidden 32) with the embedded target's tokenizer, as an HF folder (7 is the
+    fewest layers whose default EAGLE-3 layers (2, L//2, L-3) are distinct, as engines need)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     tok = embedded_fp32.tokenizer
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=7,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                       max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     folder = tmp_path_factory.mktemp("tiny-target")
@@ -144,3 +145,53 @@ def law():
     them through the decoding loop, ``law.goodness_of_fit(counts, probs)`` is the chi-square test."""
     return types.SimpleNamespace(exact=sequence_law, exact_logits=continuation_law, sample=sampled_law,
                                  goodness_of_fit=goodness_of_fit)
+
+
+# --- briefly trained drafters of the embedded target, for the engine tests -------------------------
+
+ENGINE_PROMPTS = (0, 10, 20, 30, 40, 50, 60, 70)
+"""MT-bench first turns the engine tests decode (the first four) and the drafters train on (all)."""
+TRAINED_SMOLLM2 = {
+    "medusa": ("smoke_cpu", ["drafter.medusa.num_heads=3", "drafter.medusa.tree_nodes=4"]),
+    "eagle": ("smoke_eagle", []),
+    "eagle3": ("smoke_eagle3", []),
+}
+TRAINED_STEPS = 24
+
+
+@pytest.fixture(scope="session")
+def engine_prompts():
+    from selfdraft.inference.prompts import mt_bench_prompts
+
+    return [mt_bench_prompts()[i] for i in ENGINE_PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def trained_smollm2(embedded_fp32, engine_prompts, tmp_path_factory):
+    """kind -> native drafter folder of a Medusa (3 heads), EAGLE-1 and EAGLE-3 drafter, each trained
+    for TRAINED_STEPS steps on the target's own greedy answers to ``engine_prompts`` (64 tokens).
+
+    Deliberately overfit: an engine test needs drafts that the target accepts often on the prompts it
+    decodes, so that the engine's acceptance counters say something (a drafter trained briefly on
+    ShareGPT accepts about 1 token in 20). A few minutes of CPU in all."""
+    import json
+
+    from selfdraft.configs.run import load_run_config
+    from selfdraft.inference.api import generate
+    from selfdraft.train.loop import train
+
+    root = tmp_path_factory.mktemp("trained-smollm2")
+    data = root / "own-answers.jsonl"
+    with open(data, "w", encoding="utf-8") as f:
+        for prompt in engine_prompts:
+            answer = generate(embedded_fp32, prompt.text, chat=True, max_new_tokens=64).text
+            f.write(json.dumps({"messages": [{"role": "user", "content": prompt.text},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    folders = {}
+    for kind, (preset, overrides) in TRAINED_SMOLLM2.items():
+        config = load_run_config(preset, [
+            *overrides, f"train.output_dir={root / kind}", f"train.max_steps={TRAINED_STEPS}", "train.eval_every=0",
+            f"train.save_every={TRAINED_STEPS}", "train.lr=3e-3", f"data.source={data}", "data.max_length=256",
+            "data.eval_fraction=0.1", "train.micro_batch_size=2", "train.grad_accum=1", "train.warmup_steps=2"])
+        folders[kind] = train(config).drafter_dir
+    return folders

@@ -15,8 +15,8 @@ from selfdraft.inference import bench
 
 ROW_FIELDS = {
     "task", "method", "temperature", "prompts", "new_tokens", "seconds", "tokens_per_second", "speedup",
-    "acceptance_length", "acceptance_histogram", "per_depth_acceptance", "target_forwards_per_token",
-    "drafting_time_share", "exact", "mismatches",
+    "acceptance_length", "engine_acceptance_length", "acceptance_histogram", "per_depth_acceptance",
+    "target_forwards_per_token", "drafting_time_share", "exact", "mismatches",
 }
 META_FIELDS = {"target", "dtype", "threads", "torch", "transformers", "machine", "date", "command"}
 
@@ -97,6 +97,9 @@ def test_bench_writes_every_field_and_flags_an_inexact_method(tiny_target, tiny_
         assert r["prompts"] == 2 and 2 <= r["new_tokens"] <= 16 and r["seconds"] > 0 and r["temperature"] == 0
         assert r["tokens_per_second"] == pytest.approx(r["new_tokens"] / r["seconds"])
         assert r["acceptance_length"] == pytest.approx(1 / r["target_forwards_per_token"])
+        # The engines' definition: tokens after the prefill's one, per verification step after the prefill.
+        steps = r["target_forwards"] - r["prompts"]
+        assert r["engine_acceptance_length"] == (pytest.approx((r["new_tokens"] - r["prompts"]) / steps) if steps else None)
         hist = r["acceptance_histogram"]
         if r["method"] != methods[-1]:  # transformers' prompt lookup does not say what each forward emitted
             assert sum(int(k) * v for k, v in hist.items()) == r["new_tokens"] and sum(hist.values()) == r["target_forwards"]
@@ -136,7 +139,7 @@ def test_bench_writes_every_field_and_flags_an_inexact_method(tiny_target, tiny_
     assert json.loads((out / "results.json").read_text()) == json.loads(json.dumps(results))
     report = (out / "report.md").read_text()
     assert "**WARNING: `flip` is not token-identical to `none`" in report
-    assert report.count("| method | tok/s | speedup | tau | forwards/token | drafting share | exact |") == 2
+    assert report.count("| method | tok/s | speedup | tau | engine tau | forwards/token | drafting share | exact |") == 2
     assert "Per-depth acceptance" in report and "`none` (baseline)" in report
     assert report.count("Speedup over the baseline by category") == 1 and "| method | writing (1) | roleplay (1) |" in report
     for name in bench.PLOTS:
@@ -181,7 +184,7 @@ def test_bad_input_is_a_clear_error(tiny_target, tmp_path):
     bad(tasks="mt_bnech", match=r"unknown task 'mt_bnech'; valid tasks: mt_bench, mt_bench:writing, .*humaneval")
     bad(tasks="mt_bench:poetry", match=r"unknown task 'mt_bench:poetry'.*mt_bench:humanities")
     bad(methods="medusa-from-nowhere", match=r"unknown method 'medusa-from-nowhere'; valid methods: none, prompt-lookup, "
-        r"draft-model:SPEC, hf-greedy, hf-sample, hf-prompt-lookup, hf-assisted:SPEC, or a drafter folder")
+        r"draft-model:SPEC, hf-greedy, hf-sample, hf-prompt-lookup, hf-assisted:SPEC, vllm:FOLDER, or a drafter folder")
     bad(methods="prompt-lookup@tokns=3", match=r"unknown option 'tokns'; valid options of prompt-lookup: tokens, max_ngram")
     bad(methods="prompt-lookup@tokens=zero", match=r"option tokens='zero'")
     bad(methods="prompt-lookup@tokens=0", match=r"tokens='0': must be an integer >= 1")

@@ -26,8 +26,11 @@ def test_quickstart_runs_end_to_end_and_a_second_run_reuses_its_stages(tiny_targ
     assert set(stages["done"]) == {"train", "export", "bench"} and stages["planned_steps"] >= 6
     assert "s per step ->" in first and "report:" in first
     assert (out / "run" / "drafter" / "config.json").is_file()
-    engine = json.loads((out / "export-vllm" / "config.json").read_text())
-    assert engine["architectures"] == ["LlamaForCausalLMEagle3"]
+    for fmt, key in (("vllm", "eagle_aux_hidden_state_layer_ids"), ("sglang", "eagle_config")):
+        engine = json.loads((out / f"export-{fmt}" / "config.json").read_text())
+        assert engine["architectures"] == ["LlamaForCausalLMEagle3"] and key in engine
+        card = (out / f"export-{fmt}" / "README.md").read_text()
+        assert "held-out top-1 by depth" in card and ("vllm serve" if fmt == "vllm" else "sglang.launch_server") in card
     results = json.loads((out / "bench" / "results.json").read_text())
     methods = {row["method"] for row in results["rows"]}
     assert {"none", "prompt-lookup", "hf-greedy", "hf-prompt-lookup", str(out / "run" / "drafter")} <= methods

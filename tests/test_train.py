@@ -390,7 +390,7 @@ def test_feature_cache_errors_are_clear_and_write_nothing(tiny_target, tmp_path,
         train(tiny_config(tiny_target, tmp_path / "a", f"train.features={tmp_path / 'two'}"))
     with pytest.raises(SelfdraftError, match=r"other data \(data\.max_length differ"):
         train(tiny_config(tiny_target, tmp_path / "b", "data.max_length=48", f"train.features={tmp_path / 'two'}"))
-    with pytest.raises(SelfdraftError, match=r"holds layers \[2\], this run needs \[2, 1, 2, 2\]"):
+    with pytest.raises(SelfdraftError, match=r"holds layers \[7\], this run needs \[2, 3, 4, 7\]"):
         train(tiny_config(tiny_target, tmp_path / "c", "drafter.kind=eagle3", f"train.features={tmp_path / 'two'}"))
     with pytest.raises(SelfdraftError, match="other settings"):
         write_features(config, tmp_path / "two", dtype="bfloat16")

