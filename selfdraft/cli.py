@@ -281,10 +281,10 @@ def _add_quickstart(sub) -> None:
     from selfdraft.quickstart import QuickstartConfig
 
     d = QuickstartConfig()
-    p = sub.add_parser("quickstart", help="the main job on the embedded default: train a drafter, export it, bench it",
+    p = sub.add_parser("quickstart", help="the main job on the embedded default: train a drafter, bench it, export it",
                        description="Train the best drafter we have for the embedded SmolLM2-135M-Instruct within a time "
-                       "budget, export it in vLLM/SGLang's layout and benchmark it against the vanilla loop, prompt "
-                       "lookup and transformers' decoding. Offline, on a CPU. Each stage is recorded in OUT/stages.json; "
+                       "budget, benchmark it against the vanilla loop, prompt lookup and transformers' decoding, and "
+                       "export it for vLLM and SGLang (model cards with the measured acceptance length). Offline, on a CPU. Each stage is recorded in OUT/stages.json; "
                        "rerun to resume or to reuse finished stages.")
     p.add_argument("--out", default=d.out, help="folder for everything (default: %(default)s)")
     p.add_argument("--budget-minutes", type=float, default=d.budget_minutes,

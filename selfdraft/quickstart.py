@@ -10,11 +10,12 @@ Stages, each recorded in ``OUT/stages.json`` when it finishes and skipped when t
    SmolLM2-135M-Instruct and the embedded ShareGPT conversations). The first ``calibration_steps``
    steps (inside the warm-up, so the schedule does not depend on the total yet) are timed; the run is
    then resumed with ``max_steps`` set so that it ends within ``--budget-minutes``.
-2. **export** it for vLLM and for SGLang (``OUT/export-vllm``, ``OUT/export-sglang``, each with a
-   README.md model card and its serving command) next to the native one.
-3. **bench** it against the vanilla baseline (our loop without a drafter), prompt lookup and
+2. **bench** it against the vanilla baseline (our loop without a drafter), prompt lookup and
    transformers' greedy and prompt-lookup decoding on a subset of MT-bench and HumanEval, greedy
    (token identity is checked), and print the table and where the report is.
+3. **export** it for vLLM and for SGLang (``OUT/export-vllm``, ``OUT/export-sglang``, each with a
+   README.md model card holding the measured acceptance length and its serving command) next to the
+   native one.
 """
 
 from __future__ import annotations
@@ -78,6 +79,19 @@ class _Stages:
         os.replace(tmp, self.path)
 
 
+def measured_acceptance(results: dict, method: str) -> dict | None:
+    """The engines' acceptance length of ``method`` over every task of a bench, for a model card."""
+    rows = [r for r in results["rows"] if r["method"] == method and r.get("engine_acceptance_length")]
+    if not rows:
+        return None
+    steps = sum(r["target_forwards"] - r["prompts"] for r in rows)
+    tokens = sum(r["new_tokens"] - r["prompts"] for r in rows)
+    tasks = ", ".join(f"{r['task']} {r['prompts']}" for r in rows)
+    return {"acceptance_length": tokens / steps,
+            "where": f"1 + accepted per verification step, selfdraft's decoder with the stored tree, greedy, "
+                     f"prompts: {tasks}; `selfdraft bench --methods vllm:FOLDER` measures vLLM's chain"}
+
+
 def _say(message: str) -> None:
     print(f"[quickstart] {message}", flush=True)
 
@@ -127,20 +141,7 @@ def quickstart(qc: QuickstartConfig) -> dict:
         _say(f"train: done, drafter in {result.drafter_dir}")
     drafter = pathlib.Path(stages.done("train")["drafter"])
 
-    # 2. export
-    if stages.done("export"):
-        _say(f"export: done before ({', '.join(stages.done('export')['folders'].values())}), skipped")
-    else:
-        from selfdraft.train.export import export
-
-        folders = {}
-        for fmt in EXPORT_FORMATS:  # each folder has a README.md with the command that serves it
-            folder, message = export(drafter, fmt, out / f"export-{fmt}")
-            folders[fmt] = str(folder)
-            _say(f"export: {message}")
-        stages.finish("export", {"folders": folders})
-
-    # 3. bench
+    # 2. bench
     if stages.done("bench"):
         _say(f"bench: done before, report at {stages.done('bench')['report']}, skipped")
         results = json.loads((out / "bench" / "results.json").read_text(encoding="utf-8"))
@@ -152,5 +153,19 @@ def quickstart(qc: QuickstartConfig) -> dict:
                             qc.max_new_tokens, qc.bench_limit, out / "bench", dtype=config.target.dtype,
                             threads=qc.threads, command="selfdraft quickstart")
         stages.finish("bench", {"report": str(out / "bench" / "report.md")})
+
+    # 3. export, with the acceptance length the bench measured in each model card
+    if stages.done("export"):
+        _say(f"export: done before ({', '.join(stages.done('export')['folders'].values())}), skipped")
+    else:
+        from selfdraft.train.export import export
+
+        acceptance = measured_acceptance(results, str(drafter))
+        folders = {}
+        for fmt in EXPORT_FORMATS:  # each folder has a README.md with the command that serves it
+            folder, message = export(drafter, fmt, out / f"export-{fmt}", acceptance=acceptance)
+            folders[fmt] = str(folder)
+            _say(f"export: {message}")
+        stages.finish("export", {"folders": folders})
     _say(f"finished in {(time.perf_counter() - began) / 60:.1f} minutes this time")
     return results

@@ -31,6 +31,7 @@ def test_quickstart_runs_end_to_end_and_a_second_run_reuses_its_stages(tiny_targ
         assert engine["architectures"] == ["LlamaForCausalLMEagle3"] and key in engine
         card = (out / f"export-{fmt}" / "README.md").read_text()
         assert "held-out top-1 by depth" in card and ("vllm serve" if fmt == "vllm" else "sglang.launch_server") in card
+        assert "| acceptance length | 1." in card  # measured by the bench stage, which runs first
     results = json.loads((out / "bench" / "results.json").read_text())
     methods = {row["method"] for row in results["rows"]}
     assert {"none", "prompt-lookup", "hf-greedy", "hf-prompt-lookup", str(out / "run" / "drafter")} <= methods
