@@ -245,6 +245,9 @@ def run_bench(
         finally:
             bar.close()
         meta = _meta(target, choices, task_names, temps, max_new_tokens, limit, seed, command)
+        for c in choices:  # an engine in another process says which version ran (None: all prompts reused)
+            if hasattr(runners[c.label], "version"):
+                meta["methods"][c.label]["engine_version"] = runners[c.label].version
         meta["journal"] = {"path": JOURNAL, "prompts": len(plan), "reused": reused,
                            "note": "every method of a prompt is timed back to back in one session; reused prompts "
                                    "come from an earlier session with the same settings"}

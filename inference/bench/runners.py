@@ -164,15 +164,20 @@ class VllmRunner:
                            temperatures=[c[1] for c in batch], seeds=[c[2] for c in batch], dtype=self.dtype,
                            max_model_len=self.target.max_context if self.target.max_context < 2**20 else 4096,
                            warmup=[list(batch[0][0])])
-            self.version = out["vllm_version"]
+            self.version = f"vllm {out['vllm_version']}"
             for call, r in zip(batch, out["results"]):
+                tokens = r["token_ids"]
+                if self.speculative is None:  # one target forward per token
+                    self.results[call] = Generation(tokens, target_forwards=len(tokens), accept_histogram={1: len(tokens)},
+                                                    depth_drafted={}, depth_accepted={}, draft_seconds=0.0,
+                                                    seconds=r["seconds"])
+                    continue
                 drafts, accepted = r["drafts"], r["accepted_per_position"]
-                depth_drafted = {d + 1: drafts for d in range(len(accepted))} if self.speculative else {}
                 self.results[call] = Generation(
-                    r["token_ids"], target_forwards=drafts + 1, accept_histogram=None,
-                    depth_drafted=depth_drafted, depth_accepted={d + 1: a for d, a in enumerate(accepted)},
-                    draft_seconds=None, seconds=r["seconds"],
-                    engine_steps=(drafts, r["accepted_tokens"]) if self.speculative else None)
+                    tokens, target_forwards=drafts + 1, accept_histogram=None,
+                    depth_drafted={d + 1: drafts for d in range(len(accepted))},
+                    depth_accepted={d + 1: a for d, a in enumerate(accepted)},
+                    draft_seconds=None, seconds=r["seconds"], engine_steps=(drafts, r["accepted_tokens"]))
 
     def __call__(self, ids: list[int], temperature: float, seed: int | None, max_new_tokens: int) -> Generation:
         key = (tuple(ids), temperature, seed, max_new_tokens)

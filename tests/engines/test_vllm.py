@@ -186,5 +186,6 @@ def test_bench_runs_vllm_beside_our_loop(trained_smollm2, embedded_fp32, engine_
     assert engine["exact"] is True and engine["tokens_per_second"] > 0 and engine["new_tokens"] == 48
     assert engine["engine_acceptance_length"] > 1 and ours_row["engine_acceptance_length"] > 1
     assert engine["per_depth_acceptance"] is not None and set(engine["per_depth_acceptance"]) == {"1", "2", "3"}
+    assert results["meta"]["methods"][f"vllm:{folder}"]["engine_version"] == "vllm 0.32.0"
     report = (tmp_path / "bench" / "report.md").read_text()
     assert "engine tau" in report and f"vllm:{folder}" in report
