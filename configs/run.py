@@ -24,8 +24,9 @@ class TargetConfig:
 
     spec: str = "smollm2-135m"
     """Built-in name, local HF model folder or hub name (see ``selfdraft.heads.target``)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype the target's weights are held in during training (the heads train in fp32)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype the target's weights are held in during training (the heads' weights stay fp32): auto is
+    bfloat16 on a GPU and float32 on a CPU."""
     trust_remote_code: bool = False
     """Run model code shipped with a folder or hub model; off unless you trust its author."""
 
@@ -136,8 +137,10 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm; 0 disables it."""
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    """Autocast through accelerate (bf16 only helps where the hardware has bf16 matmuls)."""
+    mixed_precision: Literal["no", "bf16", "fp16"] | None = None
+    """Autocast through accelerate: unset (null) takes accelerate's own setting (its config file or
+    ``accelerate launch --mixed_precision``; ``no`` outside a launch); a value here wins and is logged.
+    bf16 only helps where the hardware has bf16 matmuls."""
     seed: int = 0
     """Seeds the data order, the head initialisation and every RNG."""
     eval_every: int = 100

@@ -42,6 +42,8 @@ def _check_type(value: Any, kind: Any, name: str) -> Any:
     """Return ``value`` if it fits the annotation ``kind`` (ints are accepted for floats)."""
     origin = typing.get_origin(kind)
     if origin is Literal:
+        if isinstance(value, bool) and ("no" if not value else "yes") in typing.get_args(kind):
+            return "no" if not value else "yes"  # YAML 1.1 reads a bare no / yes as a boolean
         if value not in typing.get_args(kind):
             raise SelfdraftError(f"config {name}: {value!r} is not one of {list(typing.get_args(kind))}")
         return value

@@ -145,12 +145,25 @@ class Target:
         return tuple(sorted(ids))
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """A dtype name (or torch dtype) for weights on ``device``. ``auto`` is bfloat16 on a GPU (float16
+    where it has no bf16) and float32 on a CPU, where token identity is checked. bfloat16 asked for on
+    a GPU without bf16 becomes float16, said on stderr."""
+    dev = torch.device(device)
+    if isinstance(dtype, str) and dtype.lower() == "auto":
+        if dev.type != "cuda":
+            return torch.float32
+        dtype = "bfloat16"
     if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
-    raise SelfdraftError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+        resolved = dtype
+    elif isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        resolved = _DTYPES[dtype.lower()]
+    else:
+        raise SelfdraftError(f"unknown dtype {dtype!r}; use auto or one of {', '.join(_DTYPES)}")
+    if resolved is torch.bfloat16 and dev.type == "cuda" and not torch.cuda.is_bf16_supported():
+        print(f"selfdraft: {torch.cuda.get_device_name(dev)} has no bfloat16: using float16", file=sys.stderr)
+        return torch.float16
+    return resolved
 
 
 def target_cache_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
@@ -335,16 +348,18 @@ def target_folder(spec: str, cache_dir: str | os.PathLike | None = None) -> path
     return path.resolve() if path.is_dir() else None
 
 
-def load_target(spec: str, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
+def load_target(spec: str, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                 trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None) -> Target:
-    """Load a frozen target from a built-in name, a local HF model folder or a hub name.
+    """Load a frozen target from a built-in name, a local HF model folder or a hub name, in ``dtype``
+    (``auto``: bfloat16 on a GPU, float32 on a CPU; see :func:`resolve_dtype`).
 
     The model uses sdpa attention (custom 4D float masks work), is in eval mode, has no parameter
     requiring grad, and lies on ``device`` in ``dtype``; on a CPU its linear layers take the few-row
     float32 path of :mod:`selfdraft.heads.small_batch`. ``cache_dir`` is the root of the selfdraft
     cache (default ``$SELFDRAFT_CACHE`` or ``~/.cache/selfdraft``).
     """
-    torch_dtype, dev = resolve_dtype(dtype), _resolve_device(device)
+    dev = _resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
     path = pathlib.Path(str(spec)).expanduser()
     if str(spec) in BUILTIN_TARGETS:
         folder = _materialise_builtin(BUILTIN_TARGETS[str(spec)], target_cache_dir(cache_dir))

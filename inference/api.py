@@ -84,7 +84,7 @@ def generate(
     acceptance: str = DecodeConfig.acceptance,
     medusa_nodes: int | None = None,
     dynamic_tree=None,
-    dtype: str = "float32",
+    dtype: str = "auto",
     device: str = "cpu",
     prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
     draft_model: DraftModelConfig = DraftModelConfig(),

@@ -4,6 +4,12 @@ The same loop runs every drafter; with :class:`~selfdraft.inference.drafters.NoD
 vanilla one-token-per-forward baseline. It talks to the target through a
 :class:`~selfdraft.inference.session.TargetSession` (a transformers model in practice, a scripted
 stub in the statistical tests).
+
+Devices: logits, probabilities and the sampler's random generator stay on the target's device (the
+generator is made on the logits' device and seeded from ``DecodeConfig.seed``, so runs on one device
+are reproducible); the tree and the emitted tokens are host-side. Per step the host reads the device
+a few times, each a batched copy: the drafter's proposal (one per draft depth at most), the
+verification (one or two), nothing per node. tests/test_decode_devices.py counts them.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from selfdraft.inference.session import TargetSession
 from selfdraft.inference.tree import DraftTree, build_tree_buffers
 from selfdraft.inference.verify import choose_token, greedy_verify, sample_verify, target_probs, typical_verify
 
-SampleRule = Callable[[torch.Tensor, torch.Tensor, object, torch.Generator], tuple[list[int], int]]
+SampleRule = Callable[[torch.Tensor, Sequence[int], object, torch.Generator], tuple[list[int], int]]
+"""(probs (M, V), draft token ids (N,), TreeBuffers, generator) -> (accepted positions, bonus token)."""
 
 
 @dataclass
@@ -79,16 +86,19 @@ def speculative_decode(
             f"the prompt has {len(prompt_ids)} tokens but the model's context holds {max_context}; "
             "shorten the prompt or use a model with a longer context"
         )
-    generator = None
-    if not config.greedy:
-        generator = torch.Generator()
-        generator.manual_seed(config.seed if config.seed is not None else int(torch.seed()))
     eos = set(int(t) for t in eos_token_ids) if config.stop_on_eos else set()
     stats = DecodeStats()
     start = time.perf_counter()
 
     out = session.prefill(prompt_ids)
     stats.target_forwards = 1
+    generator = None
+    if not config.greedy:  # it samples on the target's device, so it lives there
+        generator = torch.Generator(device=out.logits.device)
+        if config.seed is None:
+            generator.seed()  # a fresh non-deterministic seed, without touching torch's global generator
+        else:
+            generator.manual_seed(config.seed)
     first = choose_token(out.logits[-1].float(), config, generator)
     emitted = [first]
     stats.accept_histogram[1] += 1
@@ -116,18 +126,18 @@ def speculative_decode(
         out = session.verify(sequence[-1], tree, buffers)
         stats.target_forwards += 1
         if config.greedy:
-            accepted, bonus = greedy_verify(out.logits, tree.tokens, buffers)
+            accepted, bonus = greedy_verify(out.logits, tree.token_ids, buffers)
         else:
             probs = target_probs(out.logits, config.temperature, config.top_k, config.top_p)
             if config.lossy:
-                accepted, bonus = typical_verify(probs, tree.tokens, buffers, generator,
+                accepted, bonus = typical_verify(probs, tree.token_ids, buffers, generator,
                                                  config.typical_epsilon, config.typical_delta)
             else:
-                accepted, bonus = sample_rule(probs, tree.tokens, buffers, generator)
+                accepted, bonus = sample_rule(probs, tree.token_ids, buffers, generator)
         keep = [0] + accepted
         session.commit(keep)
 
-        new = [int(tree.tokens[i - 1]) for i in accepted] + [bonus]
+        new = [tree.token_ids[i - 1] for i in accepted] + [bonus]
         for i, tok in enumerate(new):
             if tok in eos:
                 new = new[: i + 1]
@@ -138,15 +148,17 @@ def speculative_decode(
         sequence += new
         stats.accept_histogram[len(new)] += 1
         stats.draft_nodes += tree.num_nodes
-        tree_depth = int(buffers.depth.max())
-        for d in range(1, tree_depth + 1):
+        for d in range(1, buffers.max_depth + 1):
             stats.depth_drafted[d] += 1
             stats.depth_accepted[d] += d <= len(accepted)
 
         if stop_reason == "eos":
             break
         t0 = time.perf_counter()
-        hidden = tuple(h[keep] for h in out.hidden)
+        hidden = ()
+        if out.hidden:  # the root and the accepted positions, gathered on the target's device
+            index = torch.tensor(keep, dtype=torch.long, device=out.hidden[0].device)
+            hidden = tuple(h.index_select(0, index) for h in out.hidden)
         state = drafter.observe(state, Verified(tokens=new, hidden=hidden))
         stats.draft_seconds += time.perf_counter() - t0
 

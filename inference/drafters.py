@@ -3,21 +3,27 @@
 A drafter keeps its own state explicitly: :meth:`Drafter.start` returns it, :meth:`Drafter.propose`
 and :meth:`Drafter.observe` take it and return it. The decoding loop does not care which drafter it
 drives; the tree shape (depth, branching, node budget) is the drafter's decode config.
+
+Devices: a drafter computes on the target's device (:func:`on_target` moves its weights there and says
+so) and hands the decoder a host-side :class:`~selfdraft.inference.tree.DraftTree`, read back in one
+batched copy per proposal.
 """
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+from torch import nn
 
 from selfdraft.configs.decode import DraftModelConfig, DynamicTreeConfig, PromptLookupConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.session import CausalLMSession, StepOutput
-from selfdraft.inference.tree import DraftTree
+from selfdraft.inference.tree import DraftTree, grow_dynamic_tree
 
 
 @dataclass
@@ -31,6 +37,19 @@ class Verified:
 
     tokens: list[int]
     hidden: tuple[torch.Tensor, ...] = ()
+
+
+def on_target(module: nn.Module, target_model, what: str, *, dtype: bool = True) -> nn.Module:
+    """``module`` on the target's device and, with ``dtype``, in its dtype (floating tensors only: index
+    buffers keep theirs). Moves it in place and prints one line on stderr when that converts anything,
+    so a drafter saved or loaded elsewhere meets the target as a logged conversion, never as a device or
+    dtype mismatch in the middle of a forward."""
+    device, wanted = target_model.device, target_model.dtype if dtype else None
+    have = next(module.parameters())
+    if have.device != device or (wanted is not None and have.dtype != wanted):
+        target = f"{device}/{wanted}" if wanted is not None else str(device)
+        print(f"selfdraft: {what} moved from {have.device}/{have.dtype} to {target} (the target's)", file=sys.stderr)
+    return module.to(device=device, dtype=wanted) if wanted is not None else module.to(device=device)
 
 
 class Drafter(ABC):
@@ -107,8 +126,9 @@ class DraftModelDrafter(Drafter):
     """A separate small causal LM with the target's tokenizer drafts greedily: a chain of ``depth``
     tokens (``top_k`` 1) or a tree that, at each depth, expands the ``top_k`` best nodes by
     cumulative draft log-probability into their ``top_k`` best children and finally keeps the best
-    ``max_nodes``. The draft model's cache holds the committed tokens; tree nodes are cropped after
-    each proposal, and the next proposal first feeds the newly committed tokens.
+    ``max_nodes`` (:func:`~selfdraft.inference.tree.grow_dynamic_tree`, on the draft model's device).
+    The draft model's cache holds the committed tokens; tree nodes are cropped after each proposal,
+    and the next proposal first feeds the newly committed tokens.
     """
 
     name = "draft-model"
@@ -120,7 +140,8 @@ class DraftModelDrafter(Drafter):
 
     @classmethod
     def for_target(cls, draft, target, config: DraftModelConfig = DraftModelConfig()) -> "DraftModelDrafter":
-        """Check that ``draft`` (a loaded Target) shares ``target``'s tokenizer, then wrap it."""
+        """Check that ``draft`` (a loaded Target) shares ``target``'s tokenizer, then wrap it, moved to the
+        target's device if it is elsewhere (its dtype is its own: its logits are read in float32)."""
         mine, theirs = draft.identity, target.identity
         if not mine.tokenizer_hash or mine.tokenizer_hash != theirs.tokenizer_hash:
             raise SelfdraftError(
@@ -128,9 +149,8 @@ class DraftModelDrafter(Drafter):
                 f"(tokenizer hash {mine.tokenizer_hash[:12] or 'missing'} vs {theirs.tokenizer_hash[:12] or 'missing'}); "
                 "a draft model must share the target's tokenizer"
             )
-        if draft.model.device != target.model.device:
-            raise SelfdraftError(f"draft model is on {draft.model.device}, target on {target.model.device}")
-        return cls(draft.model, config, target_vocab_size=theirs.vocab_size)
+        model = on_target(draft.model, target.model, f"draft model {mine.name!r}", dtype=False)
+        return cls(model, config, target_vocab_size=theirs.vocab_size)
 
     def start(self, prompt_ids, prefill):
         session = CausalLMSession(self.model)
@@ -143,50 +163,15 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, session: CausalLMSession, sequence):
         cfg = self.config
-        committed = session.length
-        out = session.extend(sequence[committed:])  # catch up: ends with the root
+        out = session.extend(sequence[session.length :])  # catch up: ends with the root
         base = session.length  # committed tokens in the draft cache, root included
-        root_pos = base - 1
-        top = torch.topk(self._log_probs(out.logits[-1:]), cfg.top_k, dim=-1)  # (1, k)
-        tokens = top.indices[0].tolist()
-        parents = [-1] * len(tokens)
-        scores = top.values[0].tolist()
-        depth = [1] * len(tokens)
-        slot: dict[int, int] = {}  # node -> its position in the draft cache, for nodes fed so far
-        frontier = list(range(len(tokens)))
-        for d in range(2, cfg.depth + 1):
-            expand = sorted(frontier, key=lambda i: (-scores[i], i))[: cfg.top_k]
-            m = len(expand)
-            visible = torch.zeros(m, session.length + m, dtype=torch.bool)  # (m, cached + m)
-            visible[:, :base] = True
-            for row, node in enumerate(expand):
-                anc = parents[node]
-                while anc >= 0:
-                    visible[row, slot[anc]] = True
-                    anc = parents[anc]
-                visible[row, session.length + row] = True
-            for row, node in enumerate(expand):
-                slot[node] = session.length + row
-            positions = torch.tensor([root_pos + depth[i] for i in expand])
-            out = session.feed_tree_nodes(torch.tensor([tokens[i] for i in expand]), positions, visible)
-            top = torch.topk(self._log_probs(out.logits), cfg.top_k, dim=-1)  # (m, k)
-            frontier = []
-            for row, node in enumerate(expand):
-                for tok, lp in zip(top.indices[row].tolist(), top.values[row].tolist()):
-                    tokens.append(tok)
-                    parents.append(node)
-                    scores.append(scores[node] + lp)
-                    depth.append(d)
-                    frontier.append(len(tokens) - 1)
+
+        def expand(tokens, rows, positions, visible):
+            return self._log_probs(session.feed_tree_nodes(tokens, positions, visible).logits)
+
+        tree = grow_dynamic_tree(self._log_probs(out.logits[-1:])[0], expand, depth=cfg.depth, top_k=cfg.top_k,
+                                 max_nodes=cfg.max_nodes, past=base)
         session.crop(base)
-        # Best max_nodes by cumulative log-probability. A child never scores above its parent and
-        # ties go to the lower index (the parent), so the kept set contains its ancestors.
-        kept = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: cfg.max_nodes])
-        remap = {old: new for new, old in enumerate(kept)}
-        tree = DraftTree(
-            torch.tensor([tokens[i] for i in kept], dtype=torch.long),
-            torch.tensor([remap[parents[i]] if parents[i] >= 0 else -1 for i in kept], dtype=torch.long),
-        )
         return tree, session
 
 

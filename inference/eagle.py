@@ -12,6 +12,10 @@ depth the k nodes with the best cumulative draft log-probability are fed togethe
 forward, tree attention over the cache) and each proposes its top-k children; finally the
 ``max_nodes`` best nodes overall form the tree (a child never scores above its parent, so the set is
 closed under ancestors). Tree nodes are cropped from the drafter cache after each proposal.
+
+Devices: the drafter is moved to the target's device and dtype (a line on stderr says so when that
+converts anything); the tree grows there (:func:`~selfdraft.inference.tree.grow_dynamic_tree`, masks and
+indices made on the device) and reaches the host in one copy per proposal.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from selfdraft.configs.decode import DynamicTreeConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.heads.eagle import EagleDrafter
 from selfdraft.heads.small_batch import use_small_batch_matmul
-from selfdraft.inference.drafters import Drafter, Verified
+from selfdraft.inference.drafters import Drafter, Verified, on_target
 from selfdraft.inference.session import StepOutput
-from selfdraft.inference.tree import DraftTree, additive_mask
+from selfdraft.inference.tree import additive_mask, grow_dynamic_tree
 
 
 @dataclass
@@ -50,18 +54,18 @@ class EagleTreeDrafter(Drafter):
 
     def __init__(self, drafter: EagleDrafter, target_model, config: DynamicTreeConfig = DynamicTreeConfig()):
         self.config = config.validate()
-        self.drafter = drafter.to(device=target_model.device, dtype=target_model.dtype).eval()
-        use_small_batch_matmul(self.drafter)  # top_k rows per draft step
-        self.embed = target_model.get_input_embeddings()
-        self.lm_head = target_model.get_output_embeddings()
         text = target_model.config.get_text_config()
         if drafter.hidden_size != text.hidden_size or drafter.vocab_size != text.vocab_size:
             raise SelfdraftError(f"this {drafter.kind} drafter is for hidden size {drafter.hidden_size} and vocabulary "
                                  f"{drafter.vocab_size}; the target has {text.hidden_size} and {text.vocab_size}")
+        self.drafter = on_target(drafter, target_model, f"the {drafter.kind} drafter").eval()
+        use_small_batch_matmul(self.drafter)  # top_k rows per draft step
+        self.embed = target_model.get_input_embeddings()
+        self.lm_head = target_model.get_output_embeddings()
         self.name = drafter.kind
         self.hidden_layers = (text.num_hidden_layers,) if drafter.kind == "eagle" else tuple(drafter.aux_layers)
         self.device, self.dtype = target_model.device, target_model.dtype
-        self.draft_ids = drafter.draft_to_target().to(self.device) if drafter.kind == "eagle3" else None
+        self.draft_ids = drafter.draft_to_target() if drafter.kind == "eagle3" else None  # (V',) on the device
 
     def _features(self, hidden: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Target hidden states (one (m, H) per requested layer) -> drafter input features (m, H)."""
@@ -71,9 +75,9 @@ class EagleTreeDrafter(Drafter):
 
     def _run(self, state: EagleState, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              mask: torch.Tensor | None) -> torch.Tensor:
-        """Feed m (feature, token) pairs; returns the drafter outputs (m, H)."""
-        out = self.drafter(feature[None], self.embed(tokens[None].to(self.device)), positions[None].to(self.device),
-                           mask, cache=state.cache)
+        """Feed m (feature, token) pairs (feature (m, H), tokens (m,), positions (m,), mask (1, 1, m, S), all on
+        the device); returns the drafter outputs (m, H)."""
+        out = self.drafter(feature[None], self.embed(tokens[None]), positions[None], mask, cache=state.cache)
         return out[0]
 
     def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
@@ -96,14 +100,13 @@ class EagleTreeDrafter(Drafter):
         m = state.pending.shape[0]
         if m == 0:
             return state
-        tokens = torch.as_tensor(list(sequence[state.length + 1:state.length + 1 + m]), dtype=torch.long)
+        tokens = torch.tensor(list(sequence[state.length + 1:state.length + 1 + m]), dtype=torch.long, device=self.device)
         if tokens.numel() != m:
             raise RuntimeError(f"EAGLE state out of step: {m} pending features, {tokens.numel()} tokens")
-        positions = torch.arange(state.length, state.length + m)
+        positions = torch.arange(state.length, state.length + m, device=self.device)
         mask = None
         if state.length and m > 1:  # causal over the new block, everything cached is visible
-            visible = torch.ones(m, state.length + m, dtype=torch.bool)
-            visible[:, state.length:] = torch.ones(m, m, dtype=torch.bool).tril()
+            visible = torch.ones(m, state.length + m, dtype=torch.bool, device=self.device).tril(diagonal=state.length)
             mask = additive_mask(visible, self.dtype)
         out = self._run(state, state.pending, tokens, positions, mask)
         return EagleState(state.cache, state.length + m, state.pending[:0], out[-1])
@@ -111,58 +114,20 @@ class EagleTreeDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, state: EagleState, sequence):
         state = self._catch_up(state, sequence)
-        cfg = self.config
         base = state.length
-        # Candidate nodes: token (target id), parent candidate index (-1: root), cumulative score,
-        # depth, and for expanded nodes the predicted feature and cache slot.
-        lp = self._log_probs(state.out[None])[0]  # (V,)
-        top = torch.topk(lp, cfg.top_k)
-        tokens = self._token_ids(top.indices).tolist()
-        parents = [-1] * cfg.top_k
-        scores = top.values.tolist()
-        depths = [1] * cfg.top_k
-        slot: dict[int, int] = {}  # candidate -> cache position of its fed entry
-        frontier = list(range(cfg.top_k))
-        feature_of = {i: state.out for i in frontier}  # the feature each frontier node is fed with
-        for depth in range(2, cfg.depth + 1):
-            # Expand the best top_k nodes of the previous depth, all in one drafter forward.
-            expand = sorted(frontier, key=lambda i: -scores[i])[: cfg.top_k]
-            m = len(expand)
-            start = base + len(slot)
-            visible = torch.zeros(m, start + m, dtype=torch.bool)
-            visible[:, :base] = True
-            for row, i in enumerate(expand):
-                j = parents[i]
-                while j >= 0:  # ancestors were all expanded earlier
-                    visible[row, slot[j]] = True
-                    j = parents[j]
-                visible[row, start + row] = True
-            for row, i in enumerate(expand):
-                slot[i] = start + row
-            feats = torch.stack([feature_of[i] for i in expand])  # (m, H)
-            toks = torch.tensor([tokens[i] for i in expand], dtype=torch.long)
-            positions = torch.tensor([base - 1 + depths[i] for i in expand], dtype=torch.long)
-            out = self._run(state, feats, toks, positions, additive_mask(visible, self.dtype))  # (m, H)
-            child = torch.topk(self._log_probs(out), cfg.top_k)  # (m, k)
-            child_ids = self._token_ids(child.indices)
-            frontier = []
-            for row, i in enumerate(expand):
-                for c in range(cfg.top_k):
-                    tokens.append(int(child_ids[row, c]))
-                    parents.append(i)
-                    scores.append(scores[i] + float(child.values[row, c]))
-                    depths.append(depth)
-                    feature_of[len(tokens) - 1] = out[row]
-                    frontier.append(len(tokens) - 1)
+        last = state.out[None]  # (rows, H): the outputs whose predictions the next expanded nodes are
+
+        def expand(tokens, rows, positions, visible):
+            nonlocal last
+            last = self._run(state, last[rows], tokens, positions, additive_mask(visible, self.dtype))  # (m, H)
+            return self._log_probs(last)
+
+        cfg = self.config
+        tree = grow_dynamic_tree(self._log_probs(state.out[None])[0], expand, depth=cfg.depth, top_k=cfg.top_k,
+                                 max_nodes=cfg.max_nodes, past=base, to_target=self._token_ids)
         extra = state.cache.get_seq_length() - base
         if extra > 0:  # drop the tree entries: only committed positions stay cached
             state.cache.crop(-extra)
-        # Keep the best max_nodes candidates; order parents first (depth, then score).
-        keep = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i]))[: cfg.max_nodes]
-        keep.sort(key=lambda i: (depths[i], -scores[i]))
-        index = {c: n for n, c in enumerate(keep)}
-        tree = DraftTree(torch.tensor([tokens[i] for i in keep], dtype=torch.long),
-                         torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], dtype=torch.long))
         return tree, state
 
     def observe(self, state: EagleState, verified: Verified) -> EagleState:

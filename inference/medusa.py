@@ -15,7 +15,7 @@ import torch
 from selfdraft.errors import SelfdraftError
 from selfdraft.heads.medusa import MedusaHeads
 from selfdraft.heads.small_batch import use_small_batch_matmul
-from selfdraft.inference.drafters import Drafter, Verified
+from selfdraft.inference.drafters import Drafter, Verified, on_target
 from selfdraft.inference.session import StepOutput
 from selfdraft.inference.tree import DraftTree
 
@@ -67,22 +67,26 @@ def sparse_tree(accuracy: torch.Tensor, budget: int) -> list[Choice]:
 class MedusaDrafter(Drafter):
     """Proposes the tree of ``choices`` filled with the heads' top-ranked tokens.
 
-    Its state is the target's final hidden state (D,) at the position that produced the root.
+    Its state is the target's final hidden state (D,) at the position that produced the root. The heads
+    are moved to the target's device and dtype (a line on stderr says so when that converts anything);
+    a proposal is one top-k over all heads and one gather on the device, then one copy to the host.
     """
 
     name = "medusa"
 
     def __init__(self, heads: MedusaHeads, target_model, choices: Sequence[Sequence[int]] = CPU_CHOICES):
-        self.heads = heads.to(device=target_model.device, dtype=target_model.dtype).eval()
+        self.heads = on_target(heads, target_model, "the Medusa heads").eval()
         use_small_batch_matmul(self.heads)  # the K heads' rows
         self.lm_head = target_model.get_output_embeddings()
         self.choices = normalise_choices(choices, heads.num_heads)
         self.hidden_layers = (target_model.config.get_text_config().num_hidden_layers,)  # final normed state
         self.vocab_size = target_model.config.get_text_config().vocab_size
-        # Node i's parent index, and how many ranks each depth needs.
+        # Node i's parent index; the head (depth - 1) and rank that fill it, on the device.
         index = {c: i for i, c in enumerate(self.choices)}
-        self.parents = torch.tensor([index[c[:-1]] if len(c) > 1 else -1 for c in self.choices], dtype=torch.long)
-        self.depth_ranks = [1 + max((c[d] for c in self.choices if len(c) > d), default=-1) for d in range(heads.num_heads)]
+        self.parents = tuple(index[c[:-1]] if len(c) > 1 else -1 for c in self.choices)
+        self.head_rank = torch.tensor([[len(c) - 1 for c in self.choices], [c[-1] for c in self.choices]],
+                                      dtype=torch.long, device=target_model.device)  # (2, N)
+        self.ranks = 1 + max(c[-1] for c in self.choices)
 
     def start(self, prompt_ids, prefill: StepOutput):
         return prefill.hidden[0][-1]
@@ -94,9 +98,9 @@ class MedusaDrafter(Drafter):
             logits = self.lm_head(features)[:, : self.vocab_size]  # (K, V)
         else:
             logits = self.heads(hidden[None], self.lm_head)[:, 0, : self.vocab_size]  # (K, V)
-        top = [torch.topk(logits[d], r).indices.tolist() if r else [] for d, r in enumerate(self.depth_ranks)]
-        tokens = torch.tensor([top[len(c) - 1][c[-1]] for c in self.choices], dtype=torch.long)
-        return DraftTree(tokens, self.parents), hidden
+        top = torch.topk(logits, self.ranks, dim=-1).indices  # (K, R)
+        tokens = top[self.head_rank[0], self.head_rank[1]]  # (N,)
+        return DraftTree.from_lists(tokens.tolist(), self.parents), hidden
 
     def observe(self, hidden, verified: Verified):
         return verified.hidden[0][-1]

@@ -7,6 +7,10 @@ decoding loop for one generation and passed around; nothing is stored on the mod
 
 Only the public API is used: ``cache=``, ``DynamicCache.crop``, ``cache.layers[i].keys/values``,
 ``position_ids``, a 4D additive mask, ``logits_to_keep`` and ``output_hidden_states``.
+
+Every tensor it feeds is made on the model's device (``device=`` at creation): ids and positions from
+host lists in one copy, the tree mask there from the (M, M) ancestor pattern, the compaction index
+there. It reads nothing back to the host.
 """
 
 from __future__ import annotations
@@ -60,10 +64,11 @@ class CausalLMSession:
         self.mask_dtype = next(model.parameters()).dtype
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None, keep_logits: int):
+        """ids (T,), positions (T,) or None, mask (1, 1, T, S) or None: all on the model's device."""
         out = self.model(
-            input_ids=ids[None].to(self.device),
-            position_ids=None if positions is None else positions[None].to(self.device),
-            attention_mask=None if mask is None else mask.to(self.device),
+            input_ids=ids[None],
+            position_ids=None if positions is None else positions[None],
+            attention_mask=mask,
             cache=self.cache,
             use_cache=True,
             logits_to_keep=keep_logits,
@@ -78,7 +83,7 @@ class CausalLMSession:
         hidden states (T, D) at every position."""
         if self.length:
             raise RuntimeError("prefill needs an empty session")
-        ids = torch.as_tensor(list(input_ids), dtype=torch.long)
+        ids = torch.tensor(list(input_ids), dtype=torch.long, device=self.device)
         out = self._forward(ids, None, None, keep_logits=1)
         self.length = ids.numel()
         return out
@@ -86,8 +91,8 @@ class CausalLMSession:
     @torch.inference_mode()
     def extend(self, input_ids: Sequence[int]) -> StepOutput:
         """Append tokens to the cache as a causal continuation; logits (T, V) at every fed position."""
-        ids = torch.as_tensor(list(input_ids), dtype=torch.long)
-        positions = torch.arange(self.length, self.length + ids.numel())
+        ids = torch.tensor(list(input_ids), dtype=torch.long, device=self.device)
+        positions = torch.arange(self.length, self.length + ids.numel(), device=self.device)
         out = self._forward(ids, positions, None, keep_logits=0)
         self.length += ids.numel()
         return out
@@ -98,19 +103,19 @@ class CausalLMSession:
 
         The cache then holds all M positions; :meth:`commit` keeps the accepted path only.
         """
-        ids = torch.cat([torch.tensor([root], dtype=torch.long), tree.tokens])  # (M,)
-        positions = self.length + buffers.depth  # (M,)
+        ids_positions = torch.tensor([[int(root), *tree.token_ids], [self.length + d for d in buffers.depths]],
+                                     dtype=torch.long, device=self.device)  # (2, M)
         # A chain (including the bare root) is ordinary causal attention: let the model build its mask.
-        mask = None if buffers.is_chain else tree_attention_mask(buffers.ancestors, self.length, self.mask_dtype)
-        out = self._forward(ids, positions, mask, keep_logits=0)
+        mask = None if buffers.is_chain else tree_attention_mask(buffers.ancestors, self.length, self.mask_dtype, self.device)
+        out = self._forward(ids_positions[0], ids_positions[1], mask, keep_logits=0)
         self._tree_base = self.length
-        self.length += ids.numel()
+        self.length += buffers.size
         return out
 
     @torch.inference_mode()
     def feed_tree_nodes(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> StepOutput:
-        """Append nodes of a growing tree: tokens (m,), positions (m,), visible (m, length + m) bool:
-        which cached or new positions each new token may attend to. Logits (m, V)."""
+        """Append nodes of a growing tree: tokens (m,), positions (m,), visible (m, length + m) bool (all on
+        the model's device): which cached or new positions each new token may attend to. Logits (m, V)."""
         out = self._forward(tokens, positions, additive_mask(visible, self.mask_dtype), keep_logits=0)
         self.length += tokens.numel()
         return out
@@ -124,7 +129,7 @@ class CausalLMSession:
         base = self._tree_base
         keep = list(keep)
         if keep != list(range(len(keep))):
-            src = torch.tensor(keep, device=self.device) + base
+            src = torch.tensor([base + i for i in keep], dtype=torch.long, device=self.device)
             dst = slice(base, base + len(keep))
             for layer in self.cache.layers:
                 layer.keys[..., dst, :] = layer.keys[..., src, :]  # (B, H, S, D)

@@ -1,50 +1,84 @@
-"""Draft trees and their verification buffers: pure tensor functions, no model.
+"""Draft trees and their verification buffers: pure functions, no model.
 
 A draft tree hangs below a *root*: the last committed token, whose key/values are not in the target's
 cache yet. One verification forward feeds the root and all N draft nodes, M = N + 1 positions, in
 "tree order": position 0 is the root, position i (1..N) is draft node i-1. A node is always after
 its parent, so the buffers below are plain lower-triangular structures.
 
-Shape letters (DESIGN.md): N draft nodes, M = N + 1 tree positions, P paths, L path length.
+Devices. A tree's shape is host-side structure: the decoder walks it in Python (which child to try,
+which path was accepted), so :class:`DraftTree` and :class:`TreeBuffers` hold CPU tensors and Python
+tuples, made with ``device="cpu"`` explicitly. What a forward needs (token ids, positions, the 4D
+mask) is put on the model's device by the session, in one copy each per step
+(:func:`tree_attention_mask` builds the mask there). :func:`grow_dynamic_tree` works on the drafter's
+device and brings the finished tree to the host in one copy.
+
+Shape letters (DESIGN.md): N draft nodes, M = N + 1 tree positions, P paths, L path length,
+V' draft vocabulary, S tree slots fed so far.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import InitVar, dataclass
+from functools import cached_property
+from typing import Callable, Sequence
 
 import torch
+
+HOST = torch.device("cpu")
 
 
 @dataclass(frozen=True)
 class DraftTree:
-    """A token tree proposed by a drafter.
+    """A token tree proposed by a drafter (host-side: both tensors on the CPU).
 
     tokens:  (N,) int64, the draft token at each node.
     parents: (N,) int64, index of each node's parent among the nodes, -1 for a child of the root;
              parents[i] < i.
     Siblings should carry distinct tokens (a duplicate can never be accepted; it only costs compute).
+    ``token_ids`` / ``parent_ids`` are the same as tuples of ints (read from the tensors once, or
+    given as ``host``).
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
+    host: InitVar[tuple[Sequence[int], Sequence[int]] | None] = None
+    """The same tokens and parents as sequences of ints, when the caller has them (saves reading the
+    tensors back); :meth:`from_lists` passes them."""
 
-    def __post_init__(self):
+    def __post_init__(self, host):
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
             raise ValueError(f"tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} must be equal 1-D shapes")
-        n = self.tokens.numel()
-        if n and not bool((self.parents < torch.arange(n)).all() and (self.parents >= -1).all()):
-            raise ValueError(f"parents must satisfy -1 <= parents[i] < i, got {self.parents.tolist()}")
+        if self.tokens.device != HOST or self.parents.device != HOST:
+            raise ValueError(f"a DraftTree is host-side structure: tokens ({self.tokens.device}) and parents "
+                             f"({self.parents.device}) must be CPU tensors; build it with DraftTree.from_lists")
+        if host is not None:  # cached_property values live in the instance dict
+            self.__dict__.update(token_ids=tuple(host[0]), parent_ids=tuple(host[1]))
+        if any(not -1 <= p < i for i, p in enumerate(self.parent_ids)):
+            raise ValueError(f"parents must satisfy -1 <= parents[i] < i, got {list(self.parent_ids)}")
+
+    @cached_property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self.tokens.tolist())
+
+    @cached_property
+    def parent_ids(self) -> tuple[int, ...]:
+        return tuple(self.parents.tolist())
+
+    @classmethod
+    def from_lists(cls, tokens: Sequence[int], parents: Sequence[int]) -> "DraftTree":
+        """A tree from host sequences of ints (tokens and parents as in the class docstring)."""
+        tokens, parents = tuple(int(t) for t in tokens), tuple(int(p) for p in parents)
+        return cls(torch.tensor(tokens, dtype=torch.long, device=HOST), torch.tensor(parents, dtype=torch.long, device=HOST),
+                   (tokens, parents))
 
     @classmethod
     def empty(cls) -> "DraftTree":
-        return cls(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+        return cls.from_lists((), ())
 
     @classmethod
     def chain(cls, tokens: Sequence[int]) -> "DraftTree":
         """A single path: each token is the child of the previous one."""
-        n = len(tokens)
-        return cls(torch.tensor(list(tokens), dtype=torch.long), torch.arange(-1, n - 1, dtype=torch.long))
+        return cls.from_lists(tokens, range(-1, len(tokens) - 1))
 
     @classmethod
     def from_paths(cls, paths: Sequence[Sequence[int]]) -> "DraftTree":
@@ -74,19 +108,18 @@ class DraftTree:
                     parents.append(node)
                     next_frontier.append((prefix + (tok,), len(tokens) - 1))
             frontier = next_frontier
-        return cls(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+        return cls.from_lists(tokens, parents)
 
     @property
     def num_nodes(self) -> int:
         return self.tokens.numel()
 
-    def depths(self) -> torch.Tensor:
-        """(N,) depth of each node; children of the root have depth 1."""
-        parents = self.parents.tolist()
-        depth = [0] * len(parents)
-        for i, p in enumerate(parents):
-            depth[i] = 1 if p < 0 else depth[p] + 1
-        return torch.tensor(depth, dtype=torch.long)
+    def depths(self) -> list[int]:
+        """Depth of each node (N); children of the root have depth 1."""
+        depth: list[int] = []
+        for p in self.parent_ids:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return depth
 
     def prune(self, max_depth: int, max_nodes: int) -> "DraftTree":
         """Drop nodes deeper than ``max_depth``, then keep the first ``max_nodes`` (ancestors come first,
@@ -94,91 +127,149 @@ class DraftTree:
         n = self.num_nodes
         if n == 0 or max_depth <= 0 or max_nodes <= 0:
             return DraftTree.empty()
-        keep = self.depths() <= max_depth
-        if bool(keep.all()) and n <= max_nodes:
-            return self
         # A node deeper than max_depth has only deeper descendants, so dropping by depth keeps trees.
-        idx = torch.nonzero(keep).flatten()[:max_nodes]
-        remap = torch.full((n,), -1, dtype=torch.long)
-        remap[idx] = torch.arange(idx.numel())
-        parents = self.parents[idx]
-        parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
-        return DraftTree(self.tokens[idx], parents)
+        idx = [i for i, d in enumerate(self.depths()) if d <= max_depth][:max_nodes]
+        if len(idx) == n:
+            return self
+        remap = {old: new for new, old in enumerate(idx)}
+        parents = self.parent_ids
+        return DraftTree.from_lists([self.token_ids[i] for i in idx], [remap[parents[i]] if parents[i] >= 0 else -1 for i in idx])
 
 
 @dataclass(frozen=True)
 class TreeBuffers:
-    """Everything a verification step needs about the tree's shape (not its tokens).
+    """Everything a verification step needs about the tree's shape (not its tokens), on the host.
 
-    depth:     (M,) int64, depth of each tree position; the root is 0. Position ids are past + depth.
-    ancestors: (M, M) bool, ancestors[i, j] is True when position j is i itself or an ancestor of i:
-               the attention pattern of the tree part of the mask.
-    paths:     (P, L) int64, the root-to-leaf paths as tree positions, padded with -1; paths[:, 0] = 0.
-    parent:    (M,) int64, parent position of each position (-1 for the root).
-    children:  M lists of child positions, in node order (the order sampling verification tries them).
+    parents:   (M,) parent position of each tree position (-1 for the root).
+    depths:    (M,) depth of each tree position; the root is 0. Position ids are past + depth.
+    children:  M tuples of child positions, in node order (the order sampling verification tries them).
+    paths:     P root-to-leaf paths as tree positions, root first (leaves in position order).
+    ancestors: (M, M) bool CPU tensor, ancestors[i, j] is True when position j is i itself or an
+               ancestor of i: the attention pattern of the tree part of the mask.
     is_chain:  the tree is a single path (plain causal attention suffices).
     """
 
-    depth: torch.Tensor
-    ancestors: torch.Tensor
-    paths: torch.Tensor
-    parent: torch.Tensor
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
     children: tuple[tuple[int, ...], ...]
+    paths: tuple[tuple[int, ...], ...]
+    ancestors: torch.Tensor
     is_chain: bool
 
     @property
     def size(self) -> int:
-        return self.depth.numel()
+        return len(self.parents)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
 
 
 def build_tree_buffers(tree: DraftTree) -> TreeBuffers:
     """Turn a draft tree (N nodes) into the buffers of its M = N + 1 tree positions."""
-    n = tree.num_nodes
-    m = n + 1
     # Tree position of each node's parent: node i sits at position i + 1, the root at 0.
-    parent = torch.cat([torch.tensor([-1]), tree.parents + 1])  # (M,)
-    parent_list = parent.tolist()
-    depth = [0] * m
+    parents = (-1,) + tuple(p + 1 for p in tree.parent_ids)
+    m = len(parents)
+    depths = [0] * m
     children: list[list[int]] = [[] for _ in range(m)]
-    ancestors = torch.zeros(m, m, dtype=torch.bool)
-    ancestors[0, 0] = True
+    lineage: list[tuple[int, ...]] = [(0,)]  # lineage[i]: the root-first path to position i
     for i in range(1, m):
-        p = parent_list[i]
-        depth[i] = depth[p] + 1
+        p = parents[i]
+        depths[i] = depths[p] + 1
         children[p].append(i)
-        ancestors[i] = ancestors[p]
-        ancestors[i, i] = True
-    leaves = [i for i in range(m) if not children[i]]
-    max_len = max(depth) + 1
-    paths = torch.full((len(leaves), max_len), -1, dtype=torch.long)  # (P, L)
-    for row, leaf in enumerate(leaves):
-        chain = torch.nonzero(ancestors[leaf]).flatten()  # ancestors have smaller indices: root first
-        paths[row, : chain.numel()] = chain
-    is_chain = all(parent_list[i] == i - 1 for i in range(1, m))
+        lineage.append(lineage[p] + (i,))
+    rows = [i for i in range(m) for _ in lineage[i]]
+    cols = [j for i in range(m) for j in lineage[i]]
+    ancestors = torch.zeros(m, m, dtype=torch.bool, device=HOST)
+    ancestors[rows, cols] = True
     return TreeBuffers(
-        depth=torch.tensor(depth, dtype=torch.long),
-        ancestors=ancestors,
-        paths=paths,
-        parent=parent,
+        parents=parents,
+        depths=tuple(depths),
         children=tuple(tuple(c) for c in children),
-        is_chain=is_chain,
+        paths=tuple(lineage[i] for i in range(m) if not children[i]),
+        ancestors=ancestors,
+        is_chain=all(parents[i] == i - 1 for i in range(1, m)),
     )
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(Q, K) bool "may attend" -> (1, 1, Q, K) additive mask of ``dtype``: 0 where allowed, the
-    dtype's most negative value elsewhere. A float mask, never a bool one: the eager attention path
-    adds the mask (FACTS.md)."""
-    mask = torch.zeros(1, 1, *visible.shape, dtype=dtype)
+    """(Q, K) bool "may attend" -> (1, 1, Q, K) additive mask of ``dtype`` on ``visible``'s device: 0
+    where allowed, the dtype's most negative value elsewhere. A float mask, never a bool one: the eager
+    attention path adds the mask (FACTS.md)."""
+    mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=visible.device)
     return mask.masked_fill_(~visible, torch.finfo(dtype).min)
 
 
-def tree_attention_mask(ancestors: torch.Tensor, past: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive 4D mask for feeding M tree positions after ``past`` cached tokens.
+def tree_attention_mask(ancestors: torch.Tensor, past: int, dtype: torch.dtype,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """The additive 4D mask for feeding M tree positions after ``past`` cached tokens, made on ``device``
+    (default: the ancestors' device); only the (M, M) ancestor pattern is copied there.
 
     ancestors: (M, M) bool from :class:`TreeBuffers`. Returns (1, 1, M, past + M): every cached token
     and the position's own ancestors are visible.
     """
+    device = ancestors.device if device is None else torch.device(device)
     m = ancestors.shape[0]
-    visible = torch.cat([torch.ones(m, past, dtype=torch.bool), ancestors], dim=1)  # (M, past + M)
-    return additive_mask(visible, dtype)
+    mask = torch.zeros(1, 1, m, past + m, dtype=dtype, device=device)
+    mask[0, 0, :, past:].masked_fill_(~ancestors.to(device), torch.finfo(dtype).min)
+    return mask
+
+
+ExpandFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def grow_dynamic_tree(root_log_probs: torch.Tensor, expand: ExpandFn, *, depth: int, top_k: int, max_nodes: int,
+                      past: int, to_target: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DraftTree:
+    """EAGLE-2's dynamic tree, grown on the device of ``root_log_probs``; one copy to the host at the end.
+
+    Depth 1 takes the ``top_k`` best children of the root. At each further depth the ``top_k`` candidates
+    of the previous depth with the best cumulative draft log-probability are expanded together: ``expand``
+    feeds them to the drafter (one forward, tree attention over its cache) and returns their children's
+    log-probabilities; each proposes its ``top_k`` best children. Finally the ``max_nodes`` best
+    candidates overall form the tree, ordered by depth, then score (a child never scores above its
+    parent and ties go to the shallower node, so the set is closed under ancestors).
+
+    root_log_probs: (V',) the drafter's log-probabilities below the root.
+    expand(tokens, rows, positions, visible) -> (m, V'): feed m nodes: tokens (m,) target ids;
+        rows (m,) for each node the row of the *previous* ``expand`` output that predicted it (its
+        parent; for depth-1 nodes row 0, the root's prediction); positions (m,) = past - 1 + the node's
+        depth; visible (m, past + S + m) bool: which cached entries each node may attend to (all ``past``
+        committed ones, the S tree slots its ancestors were fed at, itself). The drafter's cache grows by
+        m entries per call: the caller crops them afterwards.
+    to_target: draft-vocabulary ids -> target ids (EAGLE-3's reduced vocabulary), or None.
+    Candidates are laid out by depth; those of one depth are (m, top_k) row-major, so candidate j of a
+    depth was proposed by row j // top_k of that depth's ``expand`` output.
+    """
+    device = root_log_probs.device
+    top = torch.topk(root_log_probs[None], top_k, dim=-1)  # (1, k)
+    ids = top.indices.flatten()
+    tokens = [ids if to_target is None else to_target(ids)]  # per depth: (F,) target ids of the candidates
+    scores = [top.values.flatten()]  # per depth: (F,) cumulative log-probabilities
+    parents = [torch.full((top_k,), -1, dtype=torch.long, device=device)]  # per depth: (F,) candidate index of the parent
+    seen = torch.zeros(top_k, 0, dtype=torch.bool, device=device)  # (F, S): tree slots of each candidate's ancestors
+    offset = 0  # candidate index of the first candidate of the previous depth
+    for d in range(2, depth + 1):
+        frontier = scores[-1]  # (F,)
+        m = min(top_k, frontier.numel())
+        chosen = torch.sort(frontier, descending=True, stable=True).indices[:m]  # (m,) best first, ties by index
+        slots = torch.cat([seen[chosen], torch.eye(m, dtype=torch.bool, device=device)], dim=1)  # (m, S + m)
+        visible = torch.cat([torch.ones(m, past, dtype=torch.bool, device=device), slots], dim=1)  # (m, past + S + m)
+        positions = torch.full((m,), past + d - 2, dtype=torch.long, device=device)  # the chosen nodes are at depth d - 1
+        log_probs = expand(tokens[-1][chosen], chosen // top_k, positions, visible)
+        child = torch.topk(log_probs, top_k, dim=-1)  # (m, k)
+        ids = child.indices.flatten()  # (m * k,) row-major: row r's children are r*k .. r*k + k - 1
+        tokens.append(ids if to_target is None else to_target(ids))
+        scores.append((frontier[chosen, None] + child.values).flatten())
+        parents.append((offset + chosen)[:, None].expand(m, top_k).flatten())
+        seen = slots[:, None, :].expand(m, top_k, slots.shape[1]).flatten(0, 1)  # (m * k, S + m)
+        offset += frontier.numel()
+    all_scores = torch.cat(scores)  # (C,) candidates in depth order
+    all_depths = torch.cat([torch.full_like(s, i + 1, dtype=torch.long) for i, s in enumerate(scores)])
+    keep = torch.sort(all_scores, descending=True, stable=True).indices[:max_nodes]  # best first; ties: shallower
+    keep = keep[torch.sort(all_depths[keep], stable=True).indices]  # parents first: by depth, then score
+    remap = torch.full_like(all_depths, -1)
+    remap[keep] = torch.arange(keep.numel(), device=device)
+    kept_parents = torch.cat(parents)[keep]
+    kept_parents = torch.where(kept_parents >= 0, remap[kept_parents.clamp(min=0)], kept_parents)
+    host = torch.stack([torch.cat(tokens)[keep], kept_parents]).tolist()  # the one copy of a proposal: (2, N)
+    return DraftTree.from_lists(host[0], host[1])

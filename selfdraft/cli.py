@@ -39,7 +39,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=DecodeConfig.top_k, help="0: no top-k limit")
     p.add_argument("--top-p", type=float, default=DecodeConfig.top_p)
     p.add_argument("--seed", type=int, default=DecodeConfig.seed)
-    p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on a CPU), float32 (token identity "
+                   "holds) or bfloat16 (default: %(default)s)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     p.add_argument("--typical-acceptance", action="store_true",
@@ -205,7 +206,7 @@ def _add_distill(sub) -> None:
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size)
     p.add_argument("--shard-size", type=_positive_int, default=d.shard_size)
     p.add_argument("--temperature", type=float, default=d.temperature, help="0: greedy answers")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on a CPU), float32 or bfloat16")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=_run_distill)
 
@@ -247,7 +248,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--temperatures", default="0", help="comma-separated temperatures, 0 is greedy (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=DecodeConfig.max_new_tokens)
     p.add_argument("--limit", type=int, default=10, help="prompts per task; 0 takes every prompt (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", help="float32 (token identity holds) or bfloat16 (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on a CPU), float32 (token identity "
+                   "holds) or bfloat16 (default: %(default)s)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's own choice)")
     p.add_argument("--seed", type=int, default=0, help="base seed; at temperature > 0 every method uses the same seed per prompt")
@@ -284,8 +286,11 @@ def _add_quickstart(sub) -> None:
     p = sub.add_parser("quickstart", help="the main job on the embedded default: train a drafter, bench it, export it",
                        description="Train the best drafter we have for the embedded SmolLM2-135M-Instruct within a time "
                        "budget, benchmark it against the vanilla loop, prompt lookup and transformers' decoding, and "
-                       "export it for vLLM and SGLang (model cards with the measured acceptance length). Offline, on a CPU. Each stage is recorded in OUT/stages.json; "
-                       "rerun to resume or to reuse finished stages.")
+                       "export it for vLLM and SGLang (model cards with the measured acceptance length). Offline; on a "
+                       "CPU or a GPU (--device). Each stage is recorded in OUT/stages.json; rerun to resume or to reuse "
+                       "finished stages.")
+    p.add_argument("--device", default=d.device, help="auto (a GPU where there is one, else the CPU), cpu or cuda: "
+                   "where it trains and benches (default: %(default)s)")
     p.add_argument("--out", default=d.out, help="folder for everything (default: %(default)s)")
     p.add_argument("--budget-minutes", type=float, default=d.budget_minutes,
                    help="training time in minutes (default: %(default)s); loading, evaluation and the bench come on top")
@@ -304,7 +309,7 @@ def _run_quickstart(args) -> int:
 
     qc = QuickstartConfig(out=args.out, budget_minutes=args.budget_minutes, config=args.config,
                           overrides=tuple(args.overrides), bench_tasks=args.bench_tasks, bench_limit=args.bench_limit,
-                          max_new_tokens=args.max_new_tokens, threads=args.threads)
+                          max_new_tokens=args.max_new_tokens, threads=args.threads, device=args.device)
     results = quickstart(qc)
     print(render_tables(results))
     print(f"\nreport: {os.path.join(args.out, 'bench', 'report.md')} (results.json and plots next to it)")

@@ -48,6 +48,8 @@ class QuickstartConfig:
     """Prompts per task (MT-bench takes its categories in turn)."""
     max_new_tokens: int = 96
     threads: int | None = None
+    device: str = "auto"
+    """Where it trains and benches: ``auto`` (a GPU where there is one, else the CPU), ``cpu`` or ``cuda``."""
 
 
 class _Stages:
@@ -92,6 +94,22 @@ def measured_acceptance(results: dict, method: str) -> dict | None:
                      f"prompts: {tasks}; `selfdraft bench --methods vllm:FOLDER` measures vLLM's chain"}
 
 
+def _device(name: str) -> str:
+    """``auto`` -> cuda where there is a GPU, else cpu. Training goes through accelerate, which takes a
+    GPU where there is one: ``cpu`` keeps it on the CPU (ACCELERATE_USE_CPU)."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SelfdraftError("--device cuda asked for, but CUDA is not available here; use --device cpu")
+    if name not in ("cpu", "cuda"):
+        raise SelfdraftError(f"--device must be auto, cpu or cuda, not {name!r}")
+    if name == "cpu" and torch.cuda.is_available():
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+    return name
+
+
 def _say(message: str) -> None:
     print(f"[quickstart] {message}", flush=True)
 
@@ -104,6 +122,7 @@ def quickstart(qc: QuickstartConfig) -> dict:
 
     if qc.budget_minutes <= 0:
         raise SelfdraftError(f"--budget-minutes must be > 0, got {qc.budget_minutes}")
+    device = _device(qc.device)
     out = pathlib.Path(qc.out)
     run_dir = out / "run"
     overrides = [*qc.overrides, f"train.output_dir={run_dir}"]
@@ -151,7 +170,7 @@ def quickstart(qc: QuickstartConfig) -> dict:
         _say(f"bench: {qc.bench_tasks}, {qc.bench_limit} prompts each, {qc.max_new_tokens} new tokens, greedy")
         results = run_bench(config.target.spec, [*BENCH_METHODS, str(drafter)], qc.bench_tasks, [0.0],
                             qc.max_new_tokens, qc.bench_limit, out / "bench", dtype=config.target.dtype,
-                            threads=qc.threads, command="selfdraft quickstart")
+                            device=device, threads=qc.threads, command="selfdraft quickstart")
         stages.finish("bench", {"report": str(out / "bench" / "report.md")})
 
     # 3. export, with the acceptance length the bench measured in each model card

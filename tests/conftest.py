@@ -195,3 +195,18 @@ def trained_smollm2(embedded_fp32, engine_prompts, tmp_path_factory):
             "data.eval_fraction=0.1", "train.micro_batch_size=2", "train.grad_accum=1", "train.warmup_steps=2"])
         folders[kind] = train(config).drafter_dir
     return folders
+
+
+# --- the device of the exactness suites ------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def test_device():
+    """The device the exactness suites build their tiny models on: ``SELFDRAFT_TEST_DEVICE`` (default
+    ``cpu``; ``cuda`` on a GPU machine), so the same test files run on any device."""
+    import torch
+
+    name = os.environ.get("SELFDRAFT_TEST_DEVICE", "cpu").strip() or "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"SELFDRAFT_TEST_DEVICE={name!r} but CUDA is not available here; unset it to test on the CPU")
+    return device

@@ -108,3 +108,12 @@ def test_export_to_vllm_from_the_cli(embedded_fp32, tmp_path):
     assert torch.equal(shared, embedded_fp32.model.get_output_embeddings().weight)
     hidden = torch.randn(3, 576)
     assert torch.equal(back(hidden, embedded_fp32.model.lm_head), heads(hidden, embedded_fp32.model.lm_head))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA says")
+def test_device_cuda_without_cuda_is_a_clear_error_in_every_command(tmp_path):
+    for args in (["generate", "--prompt", "hi"], ["bench", "--methods", "prompt-lookup", "--out", str(tmp_path / "b")],
+                 ["quickstart", "--out", str(tmp_path / "q")]):
+        proc = cli(*args, "--device", "cuda", timeout=120)
+        assert_clean_error(proc, "CUDA is not available here")
+        assert not (tmp_path / "q" / "run").exists()

@@ -1,4 +1,8 @@
-"""EAGLE drafters: module shapes, vocabulary maps, and exact EAGLE-2 dynamic-tree decoding."""
+"""EAGLE drafters: module shapes, vocabulary maps, and exact EAGLE-2 dynamic-tree decoding.
+
+The tiny targets live on ``SELFDRAFT_TEST_DEVICE`` (the ``test_device`` fixture, default cpu); drafters
+are made on the CPU and moved to the target's device and dtype by the adapter.
+"""
 
 import pytest
 import torch
@@ -15,14 +19,19 @@ VOCAB = 97
 
 
 @pytest.fixture(scope="module")
-def target():
+def target(test_device):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                       num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
                       bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval().to(test_device)
     model.generation_config.eos_token_id = None
     return model
+
+
+def greedy_reference(model, prompt, n):
+    x = torch.tensor([prompt], device=model.device)
+    return model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n)[0, len(prompt):].tolist()
 
 
 def random_drafter(target, kind, seed, draft_vocab=None):
@@ -47,8 +56,9 @@ def test_shapes_and_vocabulary_maps(target):
     assert small.t2d.nonzero().flatten().tolist() == [1, 5, 7]
     with pytest.raises(ValueError, match="distinct"):
         small.set_vocab_map(torch.tensor([5, 5, 7]))
-    x = torch.randn(2, 5, 64)
-    pos = torch.arange(5)[None].expand(2, 5)
+    e1, e3 = e1.to(target.device), e3.to(target.device)
+    x = torch.randn(2, 5, 64, device=target.device)
+    pos = torch.arange(5, device=target.device)[None].expand(2, 5)
     assert e1(x, x, pos, None).shape == (2, 5, 64) and e3(x, x, pos, None).shape == (2, 5, 64)
     assert e3.logits(e3(x, x, pos, None)).shape == (2, 5, 40)
     assert e1.logits(e1(x, x, pos, None), target.lm_head).shape == (2, 5, VOCAB)
@@ -64,7 +74,7 @@ def test_greedy_dynamic_tree_matches_generate(target, kind, tree):
     drafter = EagleTreeDrafter(random_drafter(target, kind, 1, draft_vocab=60 if kind == "eagle3" else None), target, tree)
     forwards = 0
     for prompt in ([3, 14, 15, 92, 65, 35], [7] * 5, [1, 2, 3, 4, 1, 2, 3, 4]):
-        ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40)[0, len(prompt):].tolist()
+        ref = greedy_reference(target, prompt, 40)
         session = CausalLMSession(target, hidden_layers=drafter.hidden_layers)
         out = speculative_decode(session, prompt, drafter, DecodeConfig(max_new_tokens=40))
         assert out.token_ids == ref
@@ -113,7 +123,7 @@ def test_a_drafter_for_another_target_is_refused(target):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_eagle_sampling_has_the_target_distribution(kind, law):
+def test_eagle_sampling_has_the_target_distribution(kind, law, test_device):
     """Exact law of 3 new tokens (T=0.8, top-p 0.9) against 3,000 runs of the full loop with a dynamic
     tree: the shared chi-square harness of the decoder tests."""
     vocab, prompt, n_new, runs = 6, [1, 4, 2], 3, 3000
@@ -128,11 +138,15 @@ def test_eagle_sampling_has_the_target_distribution(kind, law):
         drafter.set_vocab_map(draft_ids)
         with torch.no_grad():
             drafter.lm_head.weight.copy_(model.lm_head.weight[draft_ids])
+    model.to(test_device)
     tree = EagleTreeDrafter(drafter.eval(), model, DynamicTreeConfig(depth=3, top_k=2, max_nodes=5))
     cfg = DecodeConfig(max_new_tokens=n_new, temperature=0.8, top_p=0.9, stop_on_eos=False)
     counts, accepted = law.sample(lambda: CausalLMSession(model, hidden_layers=tree.hidden_layers),
                                   tree, prompt, n_new, cfg, runs, vocab)
-    p_value, tv, cells = law.goodness_of_fit(counts, law.exact(model, prompt, n_new, cfg))
+    with torch.inference_mode():  # the exact law from the device's logits, read on the host
+        exact = law.exact_logits(lambda c: model(torch.tensor([c], device=model.device)).logits[0, -1].cpu(),
+                                 vocab, prompt, n_new, cfg)
+    p_value, tv, cells = law.goodness_of_fit(counts, exact)
     assert accepted > runs // 10, f"too few accepted drafts ({accepted}) for the test to mean anything"
     assert p_value > 1e-3, f"chi-square p = {p_value:.2e} over {cells} cells (TV {tv:.4f}): the sampler's law differs"
 

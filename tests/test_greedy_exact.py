@@ -1,7 +1,8 @@
 """Greedy speculative output equals the target's own greedy generate(), token for token (fp32).
 
 On a tiny random Llama here, for every drafter and several tree shapes, including scripted drafters
-that are right sometimes and always wrong. The real embedded target is in test_embedded.py.
+that are right sometimes and always wrong. The real embedded target is in test_embedded.py. The
+models live on ``SELFDRAFT_TEST_DEVICE`` (the ``test_device`` fixture, default cpu).
 """
 
 import random
@@ -19,26 +20,26 @@ from selfdraft.inference.tree import DraftTree
 VOCAB = 97
 
 
-def tiny_llama(seed, hidden=64, layers=2, vocab=VOCAB):
+def tiny_llama(seed, device, hidden=64, layers=2, vocab=VOCAB):
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=0,
     )
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval().to(device)
     model.generation_config.eos_token_id = None
     return model
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_llama(0)
+def target(test_device):
+    return tiny_llama(0, test_device)
 
 
 @pytest.fixture(scope="module")
-def draft():
-    return tiny_llama(1, hidden=32, layers=1)
+def draft(test_device):
+    return tiny_llama(1, test_device, hidden=32, layers=1)
 
 
 def prompts():
@@ -48,7 +49,8 @@ def prompts():
 
 
 def hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    x = torch.tensor([prompt], device=model.device)
+    out = model.generate(x, do_sample=False, max_new_tokens=n, attention_mask=torch.ones_like(x))
     return out[0, len(prompt):].tolist()
 
 
@@ -122,7 +124,7 @@ def test_eos_stops_like_generate(target):
     eos = free[17]  # a token the target emits: generation must stop at its first occurrence
     target.generation_config.eos_token_id = eos
     try:
-        ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40)[0, len(prompt):].tolist()
+        ref = hf_greedy(target, prompt, 40)
     finally:
         target.generation_config.eos_token_id = None
     assert ref[-1] == eos and len(ref) <= 18

@@ -1,4 +1,8 @@
-"""Medusa heads and Medusa decoding: zero-init heads, sparse trees, greedy exactness."""
+"""Medusa heads and Medusa decoding: zero-init heads, sparse trees, greedy exactness.
+
+The decoding tests build their models on ``SELFDRAFT_TEST_DEVICE`` (the ``test_device`` fixture, default
+cpu); heads made on the CPU are moved to the target's device and dtype by the drafter.
+"""
 
 import pytest
 import torch
@@ -15,20 +19,20 @@ VOCAB = 97
 
 
 @pytest.fixture(scope="module")
-def target():
+def target(test_device):
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=0,
     )
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval().to(test_device)
     model.generation_config.eos_token_id = None
     return model
 
 
 def test_zero_initialised_heads_start_as_the_lm_head(target):
-    heads = MedusaHeads(64, VOCAB, num_heads=3, num_layers=2)
-    hidden = torch.randn(5, 64)
+    heads = MedusaHeads(64, VOCAB, num_heads=3, num_layers=2).to(target.device)
+    hidden = torch.randn(5, 64, device=target.device)
     logits = heads(hidden, target.lm_head)
     assert logits.shape == (3, 5, VOCAB)
     for k in range(3):
@@ -36,7 +40,7 @@ def test_zero_initialised_heads_start_as_the_lm_head(target):
     # Every block is its own module: no parameter is shared between heads or layers.
     params = [p for p in heads.parameters()]
     assert len({id(p) for p in params}) == len(params) == 3 * 2 * 2
-    own = MedusaHeads(64, VOCAB, num_heads=2, own_lm_head=True)
+    own = MedusaHeads(64, VOCAB, num_heads=2, own_lm_head=True).to(target.device)
     assert own(hidden).shape == (2, 5, VOCAB)
     with pytest.raises(ValueError, match="lm_head"):
         heads(hidden)
@@ -73,7 +77,8 @@ def perturbed_heads(seed, num_heads=4):
 def test_medusa_greedy_matches_generate(target, choices):
     drafter = MedusaDrafter(perturbed_heads(1), target, choices)
     for prompt in ([3, 14, 15, 92, 65, 35], [7] * 5, [1, 2, 3, 4, 1, 2, 3, 4]):
-        ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48)[0, len(prompt):].tolist()
+        x = torch.tensor([prompt], device=target.device)
+        ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=48)[0, len(prompt):].tolist()
         session = CausalLMSession(target, hidden_layers=drafter.hidden_layers)
         out = speculative_decode(session, prompt, drafter, DecodeConfig(max_new_tokens=48))
         assert out.token_ids == ref
@@ -81,7 +86,7 @@ def test_medusa_greedy_matches_generate(target, choices):
 
 
 @pytest.mark.slow
-def test_medusa_sampling_has_the_target_distribution(law):
+def test_medusa_sampling_has_the_target_distribution(law, test_device):
     """Exact law of 3 new tokens (product of the target's conditionals at T=0.8, top-p 0.9) against
     4,000 runs of the full loop with Medusa heads and the real session: the shared chi-square harness."""
     vocab, prompt, n_new, runs = 6, [1, 4, 2], 3, 4000
@@ -89,7 +94,7 @@ def test_medusa_sampling_has_the_target_distribution(law):
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )).eval()
+    )).eval().to(test_device)
     torch.manual_seed(4)
     heads = MedusaHeads(32, vocab, num_heads=2, num_layers=1)
     with torch.no_grad():
@@ -99,12 +104,15 @@ def test_medusa_sampling_has_the_target_distribution(law):
     drafter = MedusaDrafter(heads, model, [(0,), (1,), (0, 0), (0, 1)])
     counts, accepted_drafts = law.sample(lambda: CausalLMSession(model, hidden_layers=drafter.hidden_layers),
                                          drafter, prompt, n_new, cfg, runs, vocab)
-    p_value, tv, cells = law.goodness_of_fit(counts, law.exact(model, prompt, n_new, cfg))
+    with torch.inference_mode():  # the exact law from the device's logits, read on the host
+        exact = law.exact_logits(lambda c: model(torch.tensor([c], device=model.device)).logits[0, -1].cpu(),
+                                 vocab, prompt, n_new, cfg)
+    p_value, tv, cells = law.goodness_of_fit(counts, exact)
     assert accepted_drafts > runs * 0.2, "the heads' drafts were hardly ever accepted: the test would prove little"
     assert p_value > 1e-3, f"chi-square p = {p_value:.2e} over {cells} cells (TV {tv:.4f})"
 
 
-def test_typical_acceptance_is_opt_in_lossy_and_follows_its_threshold():
+def test_typical_acceptance_is_opt_in_lossy_and_follows_its_threshold(test_device):
     from selfdraft.inference.tree import DraftTree, build_tree_buffers
     from selfdraft.inference.verify import typical_verify
 
@@ -113,13 +121,11 @@ def test_typical_acceptance_is_opt_in_lossy_and_follows_its_threshold():
     assert DecodeConfig(acceptance="typical", temperature=1.0).validate().lossy
     assert not DecodeConfig(temperature=1.0).validate().lossy
     # Root: p = (0.5, 0.3, 0.2, 0, ...); a chain root -> token 1 -> token 2.
-    probs = torch.zeros(3, 4, dtype=torch.float64)
-    probs[0] = torch.tensor([0.5, 0.3, 0.2, 0.0])
-    probs[1] = torch.tensor([0.05, 0.05, 0.9, 0.0])
-    probs[2] = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.05, 0.05, 0.9, 0.0], [0.0, 0.0, 0.0, 1.0]],
+                         dtype=torch.float64, device=test_device)
     tree = DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]))
     buffers = build_tree_buffers(tree)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=test_device).manual_seed(0)
     accepted, bonus = typical_verify(probs, tree.tokens, buffers, gen, epsilon=0.09, delta=0.3)
     assert accepted == [1, 2] and bonus == 3  # 0.3 and 0.9 pass their thresholds; the bonus comes from node 2
     accepted, bonus = typical_verify(probs, tree.tokens, buffers, gen, epsilon=0.5, delta=10.0)

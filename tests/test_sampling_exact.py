@@ -13,6 +13,9 @@ Most runs use a table session: a stub TargetSession whose logits for a context a
 logits for that exact prefix (a plain full forward, memoised), so tens of thousands of runs take
 seconds. One configuration runs the real ``CausalLMSession`` (cache, tree mask, compaction).
 
+The models live on ``SELFDRAFT_TEST_DEVICE`` (the ``test_device`` fixture, default cpu): the sampler
+draws with a generator on that device, and the exact law is computed from that device's logits.
+
 The test has teeth: planted biased rules are rejected by the same test with a quarter of the samples:
 min(1, p/q) with the draft's softmax over deterministic top-k children (the mistake DESIGN.md warns
 about), and the right walk that forgets to renormalise the residual.
@@ -64,7 +67,7 @@ def tiny_llama(seed: int) -> LlamaForCausalLM:
 
 def perturbed(model: LlamaForCausalLM, seed: int, scale: float) -> LlamaForCausalLM:
     """A different model close to ``model``: every non-norm weight plus ``scale`` x another init."""
-    other = tiny_llama(seed)
+    other = tiny_llama(seed).to(next(model.parameters()).device)
     with torch.no_grad():
         for (name, fresh), (_, base) in zip(other.named_parameters(), model.named_parameters()):
             fresh.copy_(base if "norm" in name else base + scale * fresh)
@@ -72,8 +75,9 @@ def perturbed(model: LlamaForCausalLM, seed: int, scale: float) -> LlamaForCausa
 
 
 class PrefixLogits:
-    """logits(context) = the model's last-position logits (V,) float32 for exactly that prefix,
-    from a plain full forward without a cache, memoised by the token tuple."""
+    """logits(context) = the model's last-position logits (V,) float32 for exactly that prefix, on the
+    model's device, from a plain full forward without a cache, memoised by the token tuple;
+    ``host(context)``: the same on the CPU (for the exact law)."""
 
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
@@ -84,9 +88,12 @@ class PrefixLogits:
         row = self.memo.get(context)
         if row is None:
             with torch.inference_mode():
-                row = self.model(torch.tensor([context])).logits[0, -1].float()
+                row = self.model(torch.tensor([context], device=self.model.device)).logits[0, -1].float()
             self.memo[context] = row
         return row
+
+    def host(self, context) -> torch.Tensor:
+        return self(context).cpu()
 
 
 class TableSession:
@@ -110,8 +117,8 @@ class TableSession:
         return StepOutput(logits=self.logits(self.committed)[None])  # (1, V)
 
     def verify(self, root, tree: DraftTree, buffers) -> StepOutput:
-        tokens = tree.tokens.tolist()
-        parent = buffers.parent.tolist()
+        tokens = list(tree.token_ids)
+        parent = list(buffers.parents)
         assert parent[1:] == [p + 1 for p in tree.parents.tolist()], "buffers do not match the tree"
         contexts = [self.committed + (int(root),)]
         for i in range(1, buffers.size):  # parents come first
@@ -208,7 +215,7 @@ def make_wrong_rule(drafter: RecordingDrafter):
     children; when every child is rejected, sample from normalised max(0, p - q). Biased here."""
 
     def wrong_rule(probs, tokens, buffers, generator):
-        token_at = tokens.tolist()
+        token_at = list(tokens)
         accepted, node = [], 0
         while True:
             kids = buffers.children[node]
@@ -222,7 +229,7 @@ def make_wrong_rule(drafter: RecordingDrafter):
             for child in kids:
                 tok = token_at[child - 1]
                 ratio = min(1.0, float(p[tok]) / float(q[tok]))
-                if float(torch.rand((), dtype=torch.float64, generator=generator)) < ratio:
+                if float(torch.rand((), dtype=torch.float64, device=p.device, generator=generator)) < ratio:
                     chosen = child
                     break
             if chosen < 0:
@@ -281,8 +288,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def target_model():
-    return tiny_llama(0)
+def target_model(test_device):
+    return tiny_llama(0).to(test_device)
 
 
 @pytest.fixture(scope="module")
@@ -365,7 +372,7 @@ STUB_CASES = [
 @pytest.mark.parametrize("kind,sampling", STUB_CASES, ids=[f"{k}-{s}".replace(" ", ",") for k, s in STUB_CASES])
 def test_speculative_sampling_has_target_distribution(target, drafters, kind, sampling, law):
     n = 20_000
-    probs = law.exact_logits(target, VOCAB, PROMPT, NEW_TOKENS, sampling)
+    probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
     samples = sample_counts(lambda: TableSession(target), drafters[kind], sampling, n)
     pvalue, tv = _check(law, f"{kind} {sampling}", samples, probs, time.perf_counter() - start)
@@ -376,13 +383,13 @@ def test_speculative_sampling_has_target_distribution(target, drafters, kind, sa
 def forgets_to_renormalise(probs, tokens, buffers, generator):
     """A subtler planted bug: the right walk, but the k-th child is accepted with probability r(c)
     instead of r(c) / sum(r) after earlier siblings were rejected."""
-    token_at = tokens.tolist()
+    token_at = list(tokens)
     accepted, node = [], 0
     while True:
         residual, chosen = probs[node].clone(), -1
         for child in buffers.children[node]:
             tok = token_at[child - 1]
-            if float(torch.rand((), dtype=torch.float64, generator=generator)) < float(residual[tok]):
+            if float(torch.rand((), dtype=torch.float64, device=probs.device, generator=generator)) < float(residual[tok]):
                 chosen = child
                 break
             residual[tok] = 0.0
@@ -401,7 +408,7 @@ def test_biased_rule_is_detected(target, drafters, bug, law):
     sampling, n = Sampling(1.0), 5_000
     drafter = drafters["tree"]
     rule = make_wrong_rule(drafter) if bug == "min(1,p/q)" else forgets_to_renormalise
-    probs = law.exact_logits(target, VOCAB, PROMPT, NEW_TOKENS, sampling)
+    probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
     samples = sample_counts(lambda: TableSession(target), drafter, sampling, n, rule=rule)
     pvalue, tv = _check(law, f"BIASED {bug} tree {sampling}", samples, probs, time.perf_counter() - start)
@@ -412,7 +419,7 @@ def test_biased_rule_is_detected(target, drafters, bug, law):
 def test_real_session_has_target_distribution(target_model, target, drafters, law):
     """The same check through CausalLMSession: KV cache, 4D tree mask, compaction after each step."""
     sampling, n = Sampling(1.0), 4_000
-    probs = law.exact_logits(target, VOCAB, PROMPT, NEW_TOKENS, sampling)
+    probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
     samples = sample_counts(lambda: CausalLMSession(target_model), drafters["tree"], sampling, n, seed0=10**6)
     pvalue, tv = _check(law, f"CausalLMSession tree {sampling}", samples, probs, time.perf_counter() - start)
@@ -420,7 +427,7 @@ def test_real_session_has_target_distribution(target_model, target, drafters, la
     _assert_exercised(samples, "CausalLMSession tree")
 
 
-def test_sample_verify_on_hand_made_tree(law):
+def test_sample_verify_on_hand_made_tree(law, test_device):
     """Exact law of (accepted path, bonus) on a 2-level tree with a zero-mass child and a duplicate
     sibling: the walk emits token after token as the rows of p prescribe (first token ~ p[0])."""
     v = 6
@@ -431,6 +438,7 @@ def test_sample_verify_on_hand_made_tree(law):
     probs = torch.tensor(rng.dirichlet(np.full(v, 0.7), size=buffers.size))  # (M, V) float64
     probs[0, 5] = 0.0  # node 2 can never be accepted
     probs[0] /= probs[0].sum()
+    host_probs, probs = probs, probs.to(test_device)
 
     exact: dict[tuple[tuple[int, ...], int], float] = {}
 
@@ -441,10 +449,10 @@ def test_sample_verify_on_hand_made_tree(law):
             if tok in seen:
                 continue  # a duplicate sibling is never accepted
             seen.add(tok)
-            walk(child, path + (child,), mass * float(probs[pos, tok]))
+            walk(child, path + (child,), mass * float(host_probs[pos, tok]))
         for bonus in range(v):
             if bonus not in seen:
-                exact[(path, bonus)] = mass * float(probs[pos, bonus])
+                exact[(path, bonus)] = mass * float(host_probs[pos, bonus])
 
     walk(0, (), 1.0)
     assert abs(sum(exact.values()) - 1.0) < 1e-12
@@ -453,7 +461,7 @@ def test_sample_verify_on_hand_made_tree(law):
     expected = np.array([exact[o] for o in outcomes])
 
     n = 100_000
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device=test_device).manual_seed(0)
     counts = np.zeros(len(outcomes), dtype=np.int64)
     first = np.zeros(v, dtype=np.int64)
     for _ in range(n):
@@ -466,6 +474,6 @@ def test_sample_verify_on_hand_made_tree(law):
     pvalue, tv, _ = law.goodness_of_fit(counts, expected)
     print(f"\n[sample_verify hand-made tree] n={n} (path, bonus) chi2 p={pvalue:.3g} TV={tv:.4f}", end="")
     assert pvalue > ALPHA, f"(path, bonus) law: chi-square p-value {pvalue:.3g} (TV {tv:.4f})"
-    pvalue, tv, _ = law.goodness_of_fit(first, probs[0].numpy())
+    pvalue, tv, _ = law.goodness_of_fit(first, host_probs[0].numpy())
     print(f"; first token chi2 p={pvalue:.3g} TV={tv:.4f}")
     assert pvalue > ALPHA, f"first token vs p[0]: chi-square p-value {pvalue:.3g} (TV {tv:.4f})"

@@ -65,13 +65,17 @@ def _prompts(conversations: list[list[dict]], max_turns: int) -> list[list[dict]
 def _generate(target, histories: list[list[dict]], config: DistillConfig, generator: torch.Generator) -> list[str]:
     tok = target.tokenizer
     texts = [tok.apply_chat_template(h, tokenize=False, add_generation_prompt=True) for h in histories]
-    old_side = tok.padding_side
+    pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+    old_side, old_pad = tok.padding_side, tok.pad_token
     tok.padding_side = "left"
+    if old_pad is None:  # Llama-3.x tokenizers have no pad token: pad with EOS (the attention mask hides it)
+        tok.pad_token = tok.convert_ids_to_tokens(pad)
     try:
         batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
     finally:
         tok.padding_side = old_side
-    pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+        if old_pad is None:
+            tok.pad_token = None
     kwargs = dict(do_sample=config.temperature > 0, max_new_tokens=config.max_new_tokens, pad_token_id=pad,
                   eos_token_id=list(target.eos_token_ids))
     if config.temperature > 0:

@@ -23,6 +23,7 @@ import math
 import os
 import pathlib
 import shutil
+import sys
 import time
 from typing import Any
 
@@ -270,9 +271,15 @@ def _make_accelerator(config: RunConfig, out: pathlib.Path):
     handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
     if t.report_to == "wandb":
         os.environ.setdefault("WANDB_MODE", t.wandb_mode)
-    return Accelerator(mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum,
-                       log_with="wandb" if t.report_to == "wandb" else None, project_dir=str(out),
-                       kwargs_handlers=handlers)
+    # train.mixed_precision unset: accelerate's own setting (its config file / launch flag, else "no").
+    accelerator = Accelerator(mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum,
+                              log_with="wandb" if t.report_to == "wandb" else None, project_dir=str(out),
+                              kwargs_handlers=handlers)
+    if accelerator.is_main_process:
+        source = "train.mixed_precision" if t.mixed_precision is not None else "accelerate's config"
+        print(f"selfdraft: mixed precision {accelerator.mixed_precision} (from {source}) on {accelerator.device}",
+              file=sys.stderr, flush=True)
+    return accelerator
 
 
 def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_after: int | None = None) -> TrainResult:

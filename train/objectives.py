@@ -10,10 +10,24 @@ micro batches and processes aggregate exactly by adding them up.
 Batch layout (right-padded): ``input_ids`` (B, T) long, ``attention_mask`` (B, T) long,
 ``loss_mask`` (B, T) long, 1 on assistant tokens; optional ``features`` (B, T, layers, H), zeros on
 padding.
+
+Memory: no (positions x vocabulary) tensor is ever built for a whole batch. Every loss is taken at
+the supervised positions only, through ``_head_losses``: it projects a chunk of positions at a time
+(``chunk_elements`` logits, about 128 MiB per fp32 tensor by default) onto the drafter's vocabulary
+and the target's, and computes the loss's gradients in the same pass, so that only (positions x H)
+gradients and the (V x H) weight gradients outlive a chunk.
+
+Dtypes: the drafter's trainable weights are fp32 (master weights); the target may be bf16. Each
+matmul runs in autocast's dtype when autocast is on (``train.mixed_precision``), else in the dtype of
+the weight it multiplies (a bf16 target's LM head in bf16, as the target's own forward runs it; the
+drafter's fp32 weights in fp32); softmaxes, losses and gradient sums are always fp32.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -22,6 +36,10 @@ from selfdraft.configs.run import MedusaConfig, RunConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.heads.medusa import MedusaHeads
 from selfdraft.train.features import feature_layers, target_features
+
+LOSS_CHUNK_ELEMENTS = 1 << 24
+"""Logits the losses hold at once, positions x vocabulary: a chunk has three or four fp32 tensors of
+this size (64 MiB each), 130 positions of a 128k vocabulary, 341 of SmolLM2's 49k."""
 
 
 def _zero_loss(module: nn.Module) -> torch.Tensor:
@@ -48,6 +66,206 @@ def _top_hits(logits: torch.Tensor, label: torch.Tensor, top_k: int) -> tuple[to
     return (top[:, 0] == label).sum(), (top == label[:, None]).any(-1).sum()
 
 
+def _linear(module: nn.Module, what: str) -> nn.Linear:
+    """``module`` as the plain ``nn.Linear`` whose weight the losses project with directly."""
+    if not isinstance(module, nn.Linear):
+        raise SelfdraftError(f"{what} is a {type(module).__name__}: the losses project with its weight and need a "
+                             "plain nn.Linear (for Medusa-2, keep lm_head out of drafter.medusa.lora.target_modules)")
+    return module
+
+
+@dataclasses.dataclass
+class _Teacher:
+    """What the drafter is scored against at N positions, a chunk of rows at a time and without
+    gradient: the target's distribution, ``hidden`` (N, D) through its LM head ``head``, restricted to
+    the vocabulary ``columns`` (V',) and renormalised there when given (a KL loss); or token ids
+    ``labels`` (N,) (cross-entropy). The accuracy stats compare the drafter's top tokens with the
+    target's argmax over its whole vocabulary, mapped through ``to_label`` when given (EAGLE-3: the
+    draft id, -1 outside the draft vocabulary), or with ``labels``."""
+
+    hidden: torch.Tensor | None = None
+    head: nn.Linear | None = None
+    columns: torch.Tensor | None = None
+    to_label: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.labels if self.hidden is None else self.hidden)
+
+    def vocab(self) -> int:
+        return 0 if self.head is None else self.head.out_features
+
+    def chunk(self, rows: slice, weight: torch.Tensor | None, bias: torch.Tensor | None):
+        """The teacher at ``rows``: (p (C, V or V') fp32, sum p log p (C,), labels (C,)) for a KL loss,
+        or (None, None, labels (C,)); ``weight``/``bias``: the LM head's, cast to the matmul dtype."""
+        if self.hidden is None:
+            return None, None, self.labels[rows]
+        # The full vocabulary (C, V), in the matmul dtype: the stats need the target's argmax over all
+        # of it, and the draft columns are then an index away (cheaper than a second, gathered matmul).
+        logits = F.linear(self.hidden[rows].to(weight.dtype), weight, bias)
+        label = logits.argmax(-1)
+        if self.to_label is not None:
+            label = self.to_label[label]
+        if self.columns is not None:
+            logits = logits[:, self.columns]  # (C, V')
+        log_p = F.log_softmax(logits, dim=-1, dtype=torch.float32)
+        del logits
+        p = log_p.exp()
+        return p, _row_dot(p, log_p), label
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(C,) dot products of the rows of a and b (C, V), without a (C, V) product in memory."""
+    return (a.unsqueeze(1) @ b.unsqueeze(2)).view(-1)
+
+
+@dataclasses.dataclass
+class _Group:
+    """One loss term: the drafter's features ``hidden`` (M, D) (with gradient) through ``head`` give
+    logits (M, V) scored against teacher rows ``rows`` (M,) (ascending); its mean over the M rows is
+    weighted by ``weight`` in the total."""
+
+    hidden: torch.Tensor
+    head: nn.Linear
+    rows: torch.Tensor
+    weight: float
+
+
+class _HeadLossFunction(torch.autograd.Function):
+    """``_head_losses`` as one autograd node: the forward pass computes the losses and their gradients
+    chunk by chunk, the backward pass only scales the gradients it kept."""
+
+    @staticmethod
+    def forward(ctx, plan: dict, *tensors):
+        groups, teacher, ranks, top_k = plan["groups"], plan["teacher"], plan["ranks"], plan["top_k"]
+        G, heads = len(groups), plan["heads"]  # heads: the distinct nn.Linear of the groups
+        hiddens, params = tensors[:G], tensors[G:]  # params: weight, bias of each distinct head
+        device = hiddens[0].device
+        # Matmul dtype: autocast's when it is on (train.mixed_precision), else each weight's own.
+        amp = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        grads = plan["grads"]  # which of the tensors need a gradient
+        differentiable = any(grads)
+        with torch.autocast(device.type, enabled=False):
+            cast = [None if p is None else p.to(amp or params[2 * (i // 2)].dtype) for i, p in enumerate(params)]
+            t_weight = t_bias = None
+            if teacher.head is not None:
+                t_weight = teacher.head.weight.to(amp or teacher.head.weight.dtype)
+                t_bias = None if teacher.head.bias is None else teacher.head.bias.to(t_weight.dtype)
+            N = len(teacher)
+            vocab = max([teacher.vocab(), *(heads[i].out_features for i in plan["head_of"])])
+            C = max(1, plan["chunk_elements"] // vocab)  # teacher rows per chunk; a group has <= C of them
+            starts = list(range(0, N, C)) + [N]
+            # Where each group's rows fall in the teacher's chunks (rows are ascending): one copy per group.
+            rows_host = [g.rows.cpu().numpy() for g in groups]
+            bounds = [np.searchsorted(r, starts) for r in rows_host]
+            d_hidden = [torch.zeros(h.shape, dtype=torch.float32, device=device) for h in hiddens]  # fp32 sums
+            d_params = [torch.zeros(p.shape, dtype=torch.float32, device=device) if need else None
+                        for p, need in zip(params, grads[G:])]
+            table = torch.zeros(G, 3 + ranks, dtype=torch.float32, device=device)  # loss sum, top1, topk, ranks
+            for i in range(len(starts) - 1):
+                p_all, p_log_p_all, label_all = teacher.chunk(slice(starts[i], starts[i + 1]), t_weight, t_bias)
+                for g, group in enumerate(groups):
+                    lo, hi = int(bounds[g][i]), int(bounds[g][i + 1])
+                    if lo == hi:
+                        continue
+                    # This chunk's rows for the group: a slice when they are consecutive (no copy).
+                    first = int(rows_host[g][lo]) - starts[i]
+                    if rows_host[g][hi - 1] - rows_host[g][lo] == hi - lo - 1:
+                        local = slice(first, first + hi - lo)
+                    else:
+                        local = group.rows[lo:hi] - starts[i]  # (c,)
+                    u = plan["head_of"][g]
+                    weight, bias = cast[2 * u], cast[2 * u + 1]
+                    h = hiddens[g][lo:hi].to(weight.dtype)  # (c, D), e.g. fp32 heads' features into a bf16 head
+                    logits = F.linear(h, weight, bias)  # (c, V) in the matmul dtype
+                    label = label_all[local]
+                    if ranks:  # the rank of the label among the logits, for the sparse tree
+                        rank = (logits > logits.gather(-1, label[:, None])).sum(-1)  # (c,)
+                        table[g, 1] += (rank == 0).sum()
+                        table[g, 2] += (rank < top_k).sum()
+                        table[g, 3:] += torch.bincount(rank.clamp(max=ranks), minlength=ranks + 1)[:ranks]
+                    else:  # cheap: top-1 and top-k only
+                        top1, topk = _top_hits(logits, label, top_k)
+                        table[g, 1] += top1
+                        table[g, 2] += topk
+                    log_q = F.log_softmax(logits, dim=-1, dtype=torch.float32)  # (c, V)
+                    del logits
+                    # d loss / d logits, in place of log_q once the loss has read it (memory: a chunk holds
+                    # the teacher's p, the logits and their log-softmax, and a copy of p's rows at most).
+                    if p_all is None:  # cross-entropy with the label: softmax - one_hot
+                        table[g, 0] -= log_q.gather(1, label[:, None]).sum()
+                        if not differentiable:
+                            continue
+                        d_logits = log_q.exp_()
+                        d_logits[torch.arange(hi - lo, device=device), label] -= 1
+                    else:  # KL(p || q) = sum p log p - sum p log q; as F.cross_entropy(logits, p) differentiates
+                        p = p_all[local]
+                        table[g, 0] += (p_log_p_all[local] - _row_dot(p, log_q)).sum()
+                        if not differentiable:
+                            continue
+                        d_logits = log_q.exp_().sub_(p)  # softmax - p (p sums to 1)
+                        del p
+                    del log_q
+                    d_logits = d_logits.mul_(group.weight / len(group.rows)).to(weight.dtype)  # d total / d logits
+                    if grads[g]:
+                        d_hidden[g][lo:hi] = d_logits @ weight  # (c, D)
+                    if d_params[2 * u] is not None:  # (V, D), summed in fp32
+                        if weight.dtype == torch.float32:
+                            d_params[2 * u].addmm_(d_logits.T, h)
+                        else:
+                            d_params[2 * u] += d_logits.T @ h
+                    if d_params[2 * u + 1] is not None:
+                        d_params[2 * u + 1] += d_logits.float().sum(0)
+                    del d_logits
+                del p_all
+            table[:, 0] /= torch.tensor([len(g.rows) for g in groups], dtype=torch.float32, device=device)
+            total = (table[:, 0] * torch.tensor([g.weight for g in groups], dtype=torch.float32, device=device)).sum()
+        ctx.mark_non_differentiable(table)
+        ctx.save_for_backward(*d_hidden, *(d for d in d_params if d is not None))
+        ctx.layout = [d is not None for d in d_params]
+        ctx.dtypes = [None if t is None else t.dtype for t in tensors]
+        return total, table
+
+    @staticmethod
+    def backward(ctx, d_total, d_table):
+        saved = list(ctx.saved_tensors)
+        G = len(ctx.dtypes) - len(ctx.layout)
+        d_hidden, kept = saved[:G], iter(saved[G:])
+        d_params = [next(kept) if has else None for has in ctx.layout]
+        out = [None if d is None else (d * d_total).to(dtype) for d, dtype in zip(d_hidden + d_params, ctx.dtypes)]
+        return (None, *out)
+
+
+def _head_losses(groups: list[_Group], teacher: _Teacher, *, top_k: int, ranks: int, chunk_elements: int):
+    """The drafter's losses against ``teacher``, computed a chunk of positions at a time.
+
+    Returns ``total`` (the sum over groups of weight x mean loss, differentiable with respect to each
+    group's hidden states and head parameters) and ``table`` (G, 3 + ranks): each group's mean loss,
+    top-1 hits, top-k hits and, with ``ranks``, how often the label has rank 0..ranks-1 (the top-1 and
+    top-k hits then count from the ranks). Gradients equal those of the plain formula on full logits."""
+    heads: list[nn.Linear] = []
+    for g in groups:
+        if not any(g.head is h for h in heads):
+            heads.append(g.head)
+    head_of = [next(i for i, h in enumerate(heads) if h is g.head) for g in groups]
+    params = [t for h in heads for t in (h.weight, h.bias)]
+    tensors = [*(g.hidden for g in groups), *params]
+    grads = [t is not None and t.requires_grad and torch.is_grad_enabled() for t in tensors]
+    plan = {"groups": groups, "teacher": teacher, "heads": heads, "head_of": head_of, "grads": grads,
+            "top_k": top_k, "ranks": ranks, "chunk_elements": chunk_elements}
+    return _HeadLossFunction.apply(plan, *tensors)
+
+
+def _teacher_rows(selections: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """The positions any selection uses, ``need`` (B, S) bool (the teacher's rows are ``x[need]``), and
+    each selection's rows among them, (M_i,) long, ascending: selections (B, S) bool, row-major."""
+    if not selections:
+        return None, []
+    need = torch.stack(selections).any(0)  # (B, S)
+    row_of = need.flatten().cumsum(0).view(need.shape) - 1  # (B, S)
+    return need, [row_of[sel] for sel in selections]
+
+
 class MedusaObjective(nn.Module):
     """Medusa-1 (frozen target) or Medusa-2 (LoRA on the target, trained jointly).
 
@@ -58,10 +276,11 @@ class MedusaObjective(nn.Module):
     predicted token is an assistant token count. Head k's loss is weighted by ``head_decay**k``.
     """
 
-    def __init__(self, target_model: nn.Module, config: MedusaConfig, top_k: int, seed: int):
+    def __init__(self, target_model: nn.Module, config: MedusaConfig, top_k: int, seed: int,
+                 chunk_elements: int = LOSS_CHUNK_ELEMENTS):
         super().__init__()
         cfg = target_model.config.get_text_config()
-        self.config, self.top_k = config, top_k
+        self.config, self.top_k, self.chunk_elements = config, top_k, chunk_elements
         self.lora = config.lora.rank > 0
         if self.lora:
             from peft import LoraConfig, get_peft_model
@@ -95,18 +314,18 @@ class MedusaObjective(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
                 features: torch.Tensor | None = None):
         cfg = self.config
-        lm_head = self._lm_head()
+        lm_head = _linear(self._lm_head(), "the target's LM head")
         if self.lora:  # Medusa-2: the adapted target runs with gradients, its features are not fixed
             if features is not None:
                 raise SelfdraftError("Medusa-2 trains the target: precomputed features do not apply")
-            out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-            hidden, target_logits = out.hidden_states[-1], out.logits  # (B, T, D), (B, T, V)
+            # logits_to_keep=1: the losses project the hidden states themselves, a chunk at a time.
+            out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                              logits_to_keep=1)
+            hidden = out.hidden_states[-1]  # (B, T, D) final normed state, with LoRA gradients
         else:
             if features is None:
                 features = target_features(self.target, input_ids, attention_mask, self.feature_layers)
             hidden = features[:, :, -1]  # (B, T, D): final normed state, lm_head(hidden) == logits
-            with torch.no_grad():
-                target_logits = lm_head(hidden.to(lm_head.weight.dtype))  # (B, T, V)
         heads_dtype = next(self.heads.parameters()).dtype
         B, T = input_ids.shape
         K = cfg.num_heads
@@ -119,11 +338,9 @@ class MedusaObjective(nn.Module):
             "rank_hits": torch.zeros(K, R, device=device),
         }
         mask = loss_mask.bool() & attention_mask.bool()
-        if cfg.labels == "target":
-            # The target's next-token distribution at every position, once for all heads (B, T, V),
-            # and its entropy (B, T): KL(p || q) = CE(p, q) - H(p).
-            log_p_all = F.log_softmax(target_logits.detach().float(), dim=-1)
-            entropy_all = -(log_p_all.exp() * log_p_all).sum(-1)
+        # Head k at position t is scored at the target's position u = t+1+k: against the target's
+        # distribution there (labels: target) or the data's next token, input_ids[u+1] (labels: data).
+        chosen = []  # (k, sel (B, n) over t, the same (B, T) over u = t+1+k)
         for k in range(K):
             n = T - 2 - k
             if n <= 0:
@@ -131,49 +348,63 @@ class MedusaObjective(nn.Module):
             sel = mask[:, 2 + k:]  # (B, n): is the predicted token t+2+k an assistant token
             if self.training and cfg.position_fraction < 1:
                 sel = sel & (torch.rand(sel.shape, device=device) < cfg.position_fraction)
-            m = int(sel.sum())
-            if m == 0:
+            at = torch.zeros(B, T, dtype=torch.bool, device=device)
+            at[:, 1 + k:1 + k + n] = sel
+            chosen.append((k, sel, at))
+        need, rows = _teacher_rows([at for _, _, at in chosen])  # need (B, T): the positions u in use
+        groups, used = [], []
+        for (k, sel, _), head_rows in zip(chosen, rows):
+            if len(head_rows) == 0:
                 continue
-            h = hidden[:, :n][sel].to(heads_dtype)  # (M, D)
-            logits = self.heads.head_logits(k, h, lm_head).float()  # (M, V)
+            # The target's (maybe bf16) state, cast to the heads' fp32 master weights' dtype; then head k's
+            # blocks (MedusaHeads.head_logits, less its vocabulary projection, which the loss applies).
+            h = self.heads.blocks[k](hidden[:, :T - 2 - k][sel].to(heads_dtype))  # (M, D)
+            head = self.heads.lm_heads[k] if self.heads.lm_heads is not None else lm_head
+            groups.append(_Group(h, head, head_rows, cfg.head_decay ** k))
+            used.append(k)
+        if groups:
             if cfg.labels == "target":
-                log_p = log_p_all[:, 1 + k:1 + k + n][sel]  # (M, V): the target's view of token t+2+k
-                head_loss = F.cross_entropy(logits, log_p.exp()) - entropy_all[:, 1 + k:1 + k + n][sel].mean()
-                label = log_p.argmax(-1)  # (M,)
+                teacher = _Teacher(hidden=hidden.detach()[need], head=lm_head)
             else:
-                label = input_ids[:, 2 + k:][sel]  # (M,)
-                head_loss = F.cross_entropy(logits, label)
-            loss = loss + cfg.head_decay ** k * head_loss
+                following = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)  # (B, T): token u+1 at u
+                teacher = _Teacher(labels=following[need])
+            total, table = _head_losses(groups, teacher, top_k=self.top_k, ranks=0 if self.training else R,
+                                        chunk_elements=self.chunk_elements)
+            loss = loss + total
+            index = torch.tensor(used, device=device)
+            tokens = torch.tensor([float(len(g.rows)) for g in groups], device=device)
             with torch.no_grad():
-                stats["head_loss"][k] = head_loss.detach() * m
-                stats["head_tokens"][k] = m
-                if self.training:  # cheap: top-1 and top-k only
-                    stats["top1"][k], stats["topk"][k] = _top_hits(logits, label, self.top_k)
-                else:  # the rank of the label among the head's logits, for the sparse tree
-                    rank = (logits > logits.gather(-1, label[:, None])).sum(-1)  # (M,)
-                    stats["top1"][k] = (rank == 0).sum()
-                    stats["topk"][k] = (rank < self.top_k).sum()
-                    stats["rank_hits"][k] = torch.bincount(rank.clamp(max=R), minlength=R + 1)[:R].float()
+                stats["head_loss"][index] = table[:, 0] * tokens
+                stats["head_tokens"][index] = tokens
+                stats["top1"][index], stats["topk"][index] = table[:, 1], table[:, 2]
+                if not self.training:
+                    stats["rank_hits"][index] = table[:, 3:]
         if self.lora and cfg.lora.lm_loss_weight > 0:
-            lm_loss, lm_tokens = self._lm_loss(input_ids, attention_mask, mask, target_logits)
+            lm_loss, lm_tokens = self._lm_loss(input_ids, attention_mask, mask, hidden, lm_head)
             loss = loss + cfg.lora.lm_loss_weight * lm_loss
             stats["lm_loss"] = (lm_loss.detach() * lm_tokens).reshape(1)
             stats["lm_tokens"] = torch.tensor([float(lm_tokens)], device=device)
         return loss, stats
 
-    def _lm_loss(self, input_ids, attention_mask, mask, logits):
-        """The target's own loss in Medusa-2, on positions that predict an assistant token."""
+    def _lm_loss(self, input_ids, attention_mask, mask, hidden, lm_head):
+        """The target's own loss in Medusa-2, on positions that predict an assistant token: against the
+        data (``ce``) or the target without its adapter (``kl``); hidden (B, T, D) with gradients."""
         sel = mask[:, 1:]  # (B, T-1)
-        m = int(sel.sum())
+        h = hidden[:, :-1][sel]  # (M, D)
+        m = len(h)
         if m == 0:
-            return logits.new_zeros((), dtype=torch.float32), 0
-        log_q = F.log_softmax(logits[:, :-1][sel].float(), dim=-1)  # (M, V)
+            return hidden.new_zeros((), dtype=torch.float32), 0
         if self.config.lora.lm_loss == "ce":
-            return F.nll_loss(log_q, input_ids[:, 1:][sel]), m
-        with torch.no_grad(), self.target.disable_adapter():
-            ref = self.target(input_ids=input_ids, attention_mask=attention_mask).logits
-        log_p = F.log_softmax(ref[:, :-1][sel].float(), dim=-1)
-        return F.kl_div(log_q, log_p, log_target=True, reduction="sum") / m, m
+            teacher = _Teacher(labels=input_ids[:, 1:][sel])
+        else:
+            with torch.no_grad(), self.target.disable_adapter():
+                ref = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                                  logits_to_keep=1).hidden_states[-1]  # (B, T, D)
+            teacher = _Teacher(hidden=ref[:, :-1][sel], head=lm_head)
+        rows = torch.arange(m, device=h.device)
+        loss, _ = _head_losses([_Group(h, lm_head, rows, 1.0)], teacher, top_k=1, ranks=0,
+                               chunk_elements=self.chunk_elements)
+        return loss, m
 
     def merged_target(self) -> nn.Module:
         """The target the heads decode with: the LoRA-merged model in Medusa-2, the frozen one otherwise."""
@@ -187,8 +418,6 @@ class MedusaObjective(nn.Module):
 def draft_vocabulary(train_data, vocab_size: int, size: int) -> torch.Tensor:
     """EAGLE-3's draft vocabulary: the ``size`` most frequent assistant tokens of the training data
     (ties by smaller id), padded with the smallest unused ids if fewer distinct tokens occur; (V',)."""
-    import numpy as np
-
     size = min(size, vocab_size)
     counts = np.zeros(vocab_size, dtype=np.int64)
     for ids, mask in train_data:
@@ -219,11 +448,12 @@ class EagleObjective(nn.Module):
 
     lora = False
 
-    def __init__(self, target_model: nn.Module, kind: str, config, top_k: int, seed: int, train_data=None):
+    def __init__(self, target_model: nn.Module, kind: str, config, top_k: int, seed: int, train_data=None,
+                 chunk_elements: int = LOSS_CHUNK_ELEMENTS):
         super().__init__()
         from selfdraft.heads.eagle import EagleDrafter
 
-        self.kind, self.config, self.top_k = kind, config, top_k
+        self.kind, self.config, self.top_k, self.chunk_elements = kind, config, top_k, chunk_elements
         target_model.requires_grad_(False)
         self.target = target_model
         text = target_model.config.get_text_config()
@@ -261,7 +491,7 @@ class EagleObjective(nn.Module):
         cfg = self.config
         if features is None:
             features = target_features(self.target, input_ids, attention_mask, self.feature_layers)
-        lm_head = self.target.get_output_embeddings()
+        lm_head = _linear(self.target.get_output_embeddings(), "the target's LM head")
         B, T = input_ids.shape
         L = T - 1  # pair positions t = 0..T-2: (feature at t, token t+1)
         device, dtype = input_ids.device, next(self.drafter.parameters()).dtype
@@ -273,10 +503,12 @@ class EagleObjective(nn.Module):
         if L < 2:
             return loss, stats
         mask = (loss_mask.bool() & attention_mask.bool())[:, 2:]  # (B, T-2): token t+2 is an assistant token
+        # The drafter's inputs in its fp32 master weights' dtype (the target's may be bf16).
         embeds = self.target.get_input_embeddings()(input_ids[:, 1:]).detach().to(dtype)  # (B, L, H)
         positions = torch.arange(L, device=device)[None].expand(B, L)
-        with torch.no_grad():  # (B, T-2, V): the target's view of token t+2
-            target_logits = lm_head(features[:, 1:T - 1, -1].to(lm_head.weight.dtype)).float()
+        # The teacher: the target's view of token t+2, its final normed state at t+1 through its LM head,
+        # computed by the loss at the supervised positions only.
+        target_states = features[:, 1:T - 1, -1]  # (B, T-2, H)
         if self.kind == "eagle":
             feats = features[:, :, -1].to(dtype)  # (B, T, H) final normed features
             x = feats[:, :-1]
@@ -288,41 +520,51 @@ class EagleObjective(nn.Module):
                 return loss, stats
             p_hat, f_true = pred[mask], feats[:, 1:T - 1][mask]  # (M, H)
             reg = F.smooth_l1_loss(p_hat, f_true)
-            logits = self.drafter.logits(p_hat, lm_head).float()  # (M, V)
-            log_p = F.log_softmax(target_logits[mask], dim=-1)
-            kl = F.cross_entropy(logits, log_p.exp()) + (log_p.exp() * log_p).sum(-1).mean()
+            # EagleDrafter.logits(p_hat, lm_head) == lm_head(p_hat): the target's head, full vocabulary.
+            group = _Group(p_hat, lm_head, torch.arange(m, device=device), 1.0)
+            kl, table = _head_losses([group], _Teacher(hidden=target_states[mask], head=lm_head), top_k=self.top_k,
+                                     ranks=0, chunk_elements=self.chunk_elements)
             loss = cfg.regression_weight * reg + cfg.kl_weight * kl
-            self._stats(stats, 0, kl, logits, log_p.argmax(-1), m)
+            self._stats(stats, [0], table, [m])
             return loss, stats
         # EAGLE-3: fused features of three layers, unrolled on its own outputs.
         aux = features[:, :-1, :-1].flatten(2).to(dtype)  # (B, L, 3H): the aux layers side by side
         feature = self.drafter.fuse(aux)  # (B, L, H)
         draft_ids = self.drafter.draft_to_target()  # (V',)
-        log_p_all = F.log_softmax(target_logits[..., draft_ids], dim=-1)  # (B, T-2, V') renormalised on V'
         # The label is the target's own argmax, as a draft id (-1 when outside the draft vocabulary).
         to_draft = torch.full((self.drafter.vocab_size,), -1, dtype=torch.long, device=device)
         to_draft[draft_ids] = torch.arange(len(draft_ids), device=device)
-        labels = to_draft[target_logits.argmax(-1)]  # (B, T-2)
         cache = DynamicCache(config=self.drafter.layer_config)
         t_index = torch.arange(T - 2, device=device)[None]  # (1, T-2)
+        outputs, selections = [], []
         for j in range(K):
             step_out = self.drafter(feature, embeds, positions, _ttt_mask(L, j, dtype, device), cache=cache)  # (B, L, H)
-            sel = mask & (t_index >= j)  # position t has j own-feature ancestors only if t >= j
-            m = int(sel.sum())
-            if m:
-                logits = self.drafter.logits(step_out[:, : T - 2][sel]).float()  # (M, V')
-                log_p = log_p_all[sel]
-                kl = F.cross_entropy(logits, log_p.exp()) + (log_p.exp() * log_p).sum(-1).mean()
-                loss = loss + cfg.step_decay ** j * kl
-                self._stats(stats, j, kl, logits, labels[sel], m)
+            selections.append(mask & (t_index >= j))  # position t has j own-feature ancestors only if t >= j
+            outputs.append(step_out)
             feature = torch.cat([torch.zeros_like(step_out[:, :1]), step_out[:, :-1]], dim=1)  # t takes t-1's output
+        need, rows = _teacher_rows(selections)  # need == mask (step 0 selects all of it)
+        groups, used = [], []
+        for j, (step_out, sel, step_rows) in enumerate(zip(outputs, selections, rows)):
+            if len(step_rows):
+                # EagleDrafter.logits(x) == lm_head(norm(x)): the norm here, the projection in the loss.
+                h = self.drafter.norm(step_out[:, : T - 2][sel])  # (M, H)
+                groups.append(_Group(h, self.drafter.lm_head, step_rows, cfg.step_decay ** j))
+                used.append(j)
+        if groups:
+            # KL to the target's distribution restricted to the draft vocabulary and renormalised there.
+            teacher = _Teacher(hidden=target_states[need], head=lm_head, columns=draft_ids, to_label=to_draft)
+            total, table = _head_losses(groups, teacher, top_k=self.top_k, ranks=0, chunk_elements=self.chunk_elements)
+            loss = loss + total
+            self._stats(stats, used, table, [len(g.rows) for g in groups])
         return loss, stats
 
-    def _stats(self, stats, k, loss, logits, label, m) -> None:
+    def _stats(self, stats, steps: list[int], table: torch.Tensor, tokens: list[int]) -> None:
         with torch.no_grad():
-            stats["head_loss"][k] = loss.detach() * m
-            stats["head_tokens"][k] = m
-            stats["top1"][k], stats["topk"][k] = _top_hits(logits, label, self.top_k)
+            index = torch.tensor(steps, device=table.device)
+            counts = torch.tensor(tokens, dtype=torch.float32, device=table.device)
+            stats["head_loss"][index] = table[:, 0] * counts
+            stats["head_tokens"][index] = counts
+            stats["top1"][index], stats["topk"][index] = table[:, 1], table[:, 2]
 
 
 def build_objective(config: RunConfig, target_model: nn.Module, train_data=None) -> nn.Module:

@@ -82,7 +82,10 @@ def render_report(results: dict, plots: bool = True) -> str:
         "# selfdraft bench", "",
         f"Target `{m['target']}`, {m['dtype']}, {m['device']}, {m['threads']} threads; torch {m['torch']}, "
         f"transformers {m['transformers']}; {machine['cpu'] or machine['machine']}"
-        + (f", {machine['gpu']}" if machine["gpu"] else "") + f" ({machine['platform']}); {m['date']}.", "",
+        + (f" ({', '.join(machine['cpu_flags'])})" if machine.get("cpu_flags") else "")
+        + (f", {machine['gpu']}" if machine["gpu"] else "")
+        + (f" (driver {machine['gpu_details']['driver']}, CUDA {machine['gpu_details']['cuda']})"
+           if machine.get("gpu_details") else "") + f" ({machine['platform']}); {m['date']}.", "",
         f"{m['max_new_tokens']} new tokens per prompt, up to {m['limit'] or 'all'} prompts per task, seed {m['seed']}. "
         f"Baseline: `{BASELINE}` (our loop without a drafter); speedup = {m['speedup']}. tau = tokens per target "
         "forward, the prefill included (selfdraft's definition); engine tau = 1 + accepted draft tokens per "

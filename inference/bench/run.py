@@ -39,6 +39,7 @@ class _Tally:
     draft_seconds: float | None = 0.0
     engine_steps: int | None = 0
     engine_accepted: int | None = 0
+    draft_nodes: int | None = 0
     outputs: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, prompt_id: str, g: Generation, seconds: float) -> None:
@@ -54,6 +55,7 @@ class _Tally:
             self.drafted.update(g.depth_drafted)
             self.accepted.update(g.depth_accepted)
         self.draft_seconds = None if self.draft_seconds is None or g.draft_seconds is None else self.draft_seconds + g.draft_seconds
+        self.draft_nodes = None if self.draft_nodes is None or g.draft_nodes is None else self.draft_nodes + g.draft_nodes
         # The engines' count: verification steps after the prefill, and the draft tokens they accepted
         # (each step emits its accepted tokens + 1; the prefill emits one token).
         steps = g.engine_steps or ((g.target_forwards - 1, len(g.token_ids) - g.target_forwards)
@@ -88,6 +90,37 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
+def _cpu_flags() -> list[str]:
+    """The vector extensions that decide CPU speed here (FACTS.md: AVX2-only vs AVX-512 with bf16)."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def _gpu(device: torch.device) -> dict | None:
+    """Name, memory, compute capability, driver and CUDA runtime of the GPU that ran, or None."""
+    if device.type != "cuda":
+        return None
+    import subprocess
+
+    props = torch.cuda.get_device_properties(device)
+    driver = None
+    try:  # torch has no public call for the driver version; nvidia-smi has it
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", f"--id={index}"],
+                                capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"name": props.name, "memory_gb": round(props.total_memory / 2**30, 1),
+            "capability": f"{props.major}.{props.minor}", "driver": driver, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version()}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -109,7 +142,7 @@ def run_bench(
     limit: int | None = 10,
     out: str | os.PathLike = "bench",
     *,
-    dtype: str = "float32",
+    dtype: str = "auto",
     device: str = "cpu",
     threads: int | None = None,
     seed: int = 0,
@@ -301,7 +334,8 @@ def _meta(target, choices, tasks, temps, max_new_tokens, limit, seed, command) -
         "selfdraft": __version__,
         "python": platform.python_version(),
         "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpu": _cpu_name(),
-                    "cpus": os.cpu_count(), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None},
+                    "cpu_flags": _cpu_flags(), "cpus": os.cpu_count(),
+                    "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "gpu_details": _gpu(dev)},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command if command is not None else shlex.join(sys.argv),
         "methods": {c.label: {"method": c.method.name, "argument": c.argument, "options": c.options,
@@ -349,6 +383,10 @@ def _row(task: str, t: float, c: MethodChoice, tally: _Tally, base: _Tally) -> d
         "per_depth_acceptance": depth,
         "target_forwards": tally.forwards,
         "target_forwards_per_token": tally.forwards / tally.tokens if tally.forwards is not None and tally.tokens else None,
+        # The mean tree the target verified per step (its batch is this + 1): with a GPU's verify-cost
+        # curve and the acceptance length it predicts the speed-up there (scripts/gpu_check.py --predict).
+        "draft_nodes_per_step": tally.draft_nodes / (tally.forwards - tally.prompts)
+        if tally.draft_nodes is not None and tally.forwards is not None and tally.forwards > tally.prompts else None,
         "drafting_time_share": tally.draft_seconds / tally.seconds if tally.draft_seconds is not None and tally.seconds > 0 else None,
         "exact": (not mismatches) if t == 0 else None,
         "mismatches": mismatches,

@@ -38,6 +38,8 @@ class Generation:
     engine_steps: tuple[int, int] | None = None
     """(verification steps that carried drafts, accepted draft tokens) as an engine counts them, where
     it reports them instead of target forwards (vLLM)."""
+    draft_nodes: int | None = None
+    """Draft tree nodes the target verified, summed over the steps (the verify batch is this + 1 a step)."""
 
 
 Runner = Callable[[list[int], float, "int | None", int], Generation]
@@ -60,7 +62,7 @@ class LoopRunner:
                                  max_context=self.target.max_context)
         s = out.stats
         return Generation(out.token_ids, s.target_forwards, dict(s.accept_histogram), dict(s.depth_drafted),
-                          dict(s.depth_accepted), s.draft_seconds)
+                          dict(s.depth_accepted), s.draft_seconds, draft_nodes=s.draft_nodes)
 
 
 # generate() settings that change the output distribution and that only None switches off: our loop
