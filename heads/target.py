@@ -348,6 +348,28 @@ def target_folder(spec: str, cache_dir: str | os.PathLike | None = None) -> path
     return path.resolve() if path.is_dir() else None
 
 
+def load_target_tokenizer(spec: str, *, trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None,
+                          ) -> tuple[PreTrainedTokenizerBase, TargetIdentity]:
+    """A target's tokenizer and identity without its weights: for work a serving engine does with the
+    weights (``selfdraft distill --server``). Same specs as :func:`load_target`."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = target_folder(spec, cache_dir)
+    source = str(folder) if folder is not None else str(spec)
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code and str(spec) not in BUILTIN_TARGETS)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code and str(spec) not in BUILTIN_TARGETS)
+    except (OSError, ValueError) as err:
+        reason = " ".join(str(err).split())[:300]
+        raise SelfdraftError(f"could not read the config and tokenizer of target {spec!r} ({type(err).__name__}: {reason})") from err
+    text = config.get_text_config()
+    identity = TargetIdentity(
+        name=str(spec), architecture=(config.architectures or ["unknown"])[0], vocab_size=int(text.vocab_size),
+        hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
+        tokenizer_hash=tokenizer_fingerprint(tokenizer))
+    return tokenizer, identity
+
+
 def load_target(spec: str, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                 trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None) -> Target:
     """Load a frozen target from a built-in name, a local HF model folder or a hub name, in ``dtype``

@@ -208,18 +208,32 @@ def _add_distill(sub) -> None:
     p.add_argument("--temperature", type=float, default=d.temperature, help="0: greedy answers")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on a CPU), float32 or bfloat16")
     p.add_argument("--device", default="cpu")
+    s = p.add_argument_group("through a serving engine (the target's weights stay there; only its tokenizer is loaded)")
+    s.add_argument("--server", metavar="URL", help="base URL of an OpenAI-compatible chat-completions server serving "
+                   "the target (vLLM, SGLang, llama.cpp's server), e.g. http://127.0.0.1:8000")
+    s.add_argument("--server-model", default=None, help="the served model's name (default: the only one it lists)")
+    s.add_argument("--concurrency", type=_positive_int, default=16, help="requests in flight at once")
+    s.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    s.add_argument("--retries", type=int, default=5, help="further tries after a transient failure (refused, 429, 5xx)")
     p.set_defaults(func=_run_distill)
 
 
 def _run_distill(args) -> int:
     from selfdraft.configs.schema import DataConfig
-    from selfdraft.heads.target import load_target
-    from selfdraft.train.distill import DistillConfig, distill
+    from selfdraft.heads.target import load_target, load_target_tokenizer
+    from selfdraft.train.chat_server import ServerConfig
+    from selfdraft.train.distill import DistillConfig, TargetText, distill
 
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    server = None
+    if args.server:
+        server = ServerConfig(args.server, model=args.server_model, concurrency=args.concurrency,
+                              timeout=args.request_timeout, retries=args.retries).validate()
+        target = TargetText(*load_target_tokenizer(args.target))
+    else:
+        target = load_target(args.target, dtype=args.dtype, device=args.device)
     out = distill(target, DataConfig(source=args.source, max_conversations=args.max_conversations), args.out,
                   DistillConfig(max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, batch_size=args.batch_size,
-                                shard_size=args.shard_size, temperature=args.temperature))
+                                shard_size=args.shard_size, temperature=args.temperature), server=server)
     print(f"wrote self-distilled conversations to {out} (use it as data.source={out})")
     return 0
 

@@ -7,6 +7,12 @@ conversations, turn by turn. Output: ``OUT/shard-00000.jsonl`` ... in the ``mess
 conversation per line, plus ``OUT/distill.json`` (the settings and the target). Shards are written
 atomically; a rerun with the same settings skips finished shards, so an interrupted job resumes.
 Use the folder as ``data.source`` of a training run.
+
+The answers come from transformers ``generate`` on the loaded target (batched, one process), or with
+``server=`` from an OpenAI-compatible chat-completions server that serves the target (vLLM, SGLang,
+llama.cpp's server; :mod:`selfdraft.train.chat_server`), many requests in flight: the same turn rules,
+the same shards. Only the target's tokenizer is loaded then (:class:`TargetText`), to count prompt
+tokens; the server renders the chat template (the target's own, when it serves the target's folder).
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ import itertools
 import json
 import os
 import pathlib
+import zlib
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
 
 from selfdraft.configs.schema import DataConfig, to_dict
 from selfdraft.errors import SelfdraftError
+from selfdraft.heads.target import TargetIdentity
 
 MANIFEST = "distill.json"
 
@@ -42,6 +51,25 @@ class DistillConfig:
     max_prompt_tokens: int = 1024
     """Conversations whose context before a turn is longer stop before that turn."""
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class TargetText:
+    """A target's tokenizer and identity without its weights, for distilling through a server
+    (:func:`~selfdraft.heads.target.load_target_tokenizer` makes the pair)."""
+
+    tokenizer: Any
+    identity: TargetIdentity
+
+
+Answerer = Callable[[list[list[dict]], list[int]], list[str]]
+"""(chat histories, a seed per history) -> the next assistant answer of each."""
+
+
+def _request_seed(seed: int, shard: int, index: int, turn: int) -> int:
+    """A server request's sampling seed: fixed by the run's seed and the turn's place, so a resumed run
+    asks the same questions with the same seeds."""
+    return zlib.crc32(f"{seed}/{shard}/{index}/{turn}".encode()) & 0x7FFFFFFF
 
 
 def _prompts(conversations: list[list[dict]], max_turns: int) -> list[list[dict]]:
@@ -86,20 +114,44 @@ def _generate(target, histories: list[list[dict]], config: DistillConfig, genera
     return [tok.decode(row, skip_special_tokens=True) for row in new]
 
 
-def distill(target, data: DataConfig, out: str | os.PathLike, config: DistillConfig = DistillConfig()) -> pathlib.Path:
-    """Regenerate the assistant turns of ``data`` with ``target`` into shards under ``out``."""
+def distill(target, data: DataConfig, out: str | os.PathLike, config: DistillConfig = DistillConfig(),
+            server=None) -> pathlib.Path:
+    """Regenerate the assistant turns of ``data`` with ``target`` into shards under ``out``.
+
+    ``target``: a loaded Target, or with ``server`` (a :class:`~selfdraft.train.chat_server.ServerConfig`)
+    a :class:`TargetText` or a Target (only its tokenizer and identity are used). The server is checked
+    before anything is written."""
     from selfdraft.train.data import iter_conversations
 
     if config.batch_size < 1 or config.shard_size < 1 or config.max_turns < 1 or config.max_new_tokens < 1:
         raise SelfdraftError("distill needs batch_size, shard_size, max_turns and max_new_tokens >= 1")
     if target.tokenizer is None or getattr(target.tokenizer, "chat_template", None) is None:
         raise SelfdraftError(f"target {target.identity.name} has no chat template to render conversations with")
-    out = pathlib.Path(out)
     manifest = {"target": target.identity.to_dict(), "data": to_dict(data), "distill": dataclasses.asdict(config)}
+    if server is not None:
+        from selfdraft.train.chat_server import ChatServer
+
+        client = ChatServer(server)  # reachable, and which model, before anything is written
+        manifest["server"] = {"model": client.model}
+
+        def answer(histories: list[list[dict]], seeds: list[int]) -> list[str]:
+            return client.answer_all(histories, max_tokens=config.max_new_tokens, temperature=config.temperature,
+                                     seeds=seeds if config.temperature > 0 else [None] * len(histories))
+        batch_size = config.shard_size  # a turn's whole shard at once; the server's concurrency bounds it
+    else:
+        if not hasattr(target, "model"):
+            raise SelfdraftError("distilling without a server needs the target's weights: load it with load_target")
+        generator = torch.Generator().manual_seed(config.seed)
+
+        def answer(histories: list[list[dict]], seeds: list[int]) -> list[str]:
+            return _generate(target, histories, config, generator)
+        batch_size = config.batch_size
+
+    out = pathlib.Path(out)
     if (out / MANIFEST).is_file():
         old = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
         if old != manifest:
-            changed = sorted(k for k in manifest if old.get(k) != manifest[k])
+            changed = sorted(k for k in set(manifest) | set(old) if old.get(k) != manifest.get(k))
             raise SelfdraftError(f"{out} holds a distillation with other settings ({', '.join(changed)} differ): "
                                  "choose another output folder")
     else:
@@ -107,7 +159,6 @@ def distill(target, data: DataConfig, out: str | os.PathLike, config: DistillCon
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
 
     conversations = iter_conversations(data)
-    generator = torch.Generator().manual_seed(config.seed)
     progress = tqdm(desc="distilling", unit="conv", total=data.max_conversations, disable=None)
     for shard_index in itertools.count():
         chunk = list(itertools.islice(conversations, config.shard_size))
@@ -117,7 +168,7 @@ def distill(target, data: DataConfig, out: str | os.PathLike, config: DistillCon
         if path.is_file():  # finished in an earlier run
             progress.update(len(chunk))
             continue
-        records = _distill_chunk(target, chunk, config, generator, progress)
+        records = _distill_chunk(target.tokenizer, chunk, config, answer, batch_size, shard_index, progress)
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps({"messages": r}, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
         os.replace(tmp, path)
@@ -127,7 +178,8 @@ def distill(target, data: DataConfig, out: str | os.PathLike, config: DistillCon
     return out
 
 
-def _distill_chunk(target, chunk, config: DistillConfig, generator, progress) -> list[list[dict]]:
+def _distill_chunk(tokenizer, chunk, config: DistillConfig, respond: Answerer, batch_size: int, shard: int,
+                   progress) -> list[list[dict]]:
     histories = _prompts(chunk, config.max_turns)
     results: list[list[dict]] = [[] for _ in histories]
     # Turn by turn: every conversation's context before its next assistant turn, batched.
@@ -141,17 +193,18 @@ def _distill_chunk(target, chunk, config: DistillConfig, generator, progress) ->
                 j += 1
             cursors[i] = j
             if j < len(h):
-                length = len(target.tokenizer.apply_chat_template(results[i], tokenize=True, add_generation_prompt=True,
-                                                                  return_dict=False))
+                length = len(tokenizer.apply_chat_template(results[i], tokenize=True, add_generation_prompt=True,
+                                                           return_dict=False))
                 if length <= config.max_prompt_tokens:
                     pending.append(i)
                 else:
                     cursors[i] = len(h)
         if not pending:
             break
-        for b in range(0, len(pending), config.batch_size):
-            ids = pending[b:b + config.batch_size]
-            answers = _generate(target, [results[i] for i in ids], config, generator)
+        for b in range(0, len(pending), batch_size):
+            ids = pending[b:b + batch_size]
+            turn = [sum(m["role"] == "assistant" for m in results[i]) for i in ids]
+            answers = respond([results[i] for i in ids], [_request_seed(config.seed, shard, i, t) for i, t in zip(ids, turn)])
             for i, answer in zip(ids, answers):
                 results[i].append({"role": "assistant", "content": answer})
                 cursors[i] += 1

@@ -287,7 +287,7 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     that many optimizer steps without finishing it (as a crash would, but after a checkpoint)."""
     from accelerate.utils import DistributedType, set_seed
 
-    from selfdraft.heads.target import load_target
+    from selfdraft.heads.target import load_target, target_folder
     from selfdraft.train.objectives import build_objective, summarise
 
     t = config.train
@@ -319,9 +319,12 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False), encoding="utf-8")
-    with accelerator.main_process_first():
-        target = load_target(config.target.spec, dtype=config.target.dtype, device=str(accelerator.device),
-                             trust_remote_code=config.target.trust_remote_code)
+    with accelerator.main_process_first():  # a built-in target is converted once, by the main process
+        target_folder(config.target.spec)
+    # Every rank loads at once: under ZeRO-3 transformers partitions the weights as they load, with
+    # collectives that all ranks must join.
+    target = load_target(config.target.spec, dtype=config.target.dtype, device=str(accelerator.device),
+                         trust_remote_code=config.target.trust_remote_code)
     if target.tokenizer is None:
         raise SelfdraftError(f"target {config.target.spec} has no tokenizer: training needs its chat template")
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
