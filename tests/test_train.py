@@ -371,6 +371,29 @@ def test_cached_features_give_the_same_batches_and_the_same_run(tiny_target, tmp
     assert isinstance(cache, FeatureCache)
 
 
+def test_feature_cache_size_is_planned_before_the_weights_load(tiny_target, tmp_path, monkeypatch, capsys):
+    """Over the limit: the error comes before the target's weights are read, says to train online with
+    that choice's compute cost, and offers bfloat16 only where the cache is not already 2 bytes a value."""
+    import selfdraft.heads.target as target_module
+    from selfdraft.train.features import write_features
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the size check")
+
+    monkeypatch.setattr(target_module, "load_target", no_weights)
+    config = tiny_config(tiny_target, tmp_path / "run")
+    with pytest.raises(SelfdraftError) as err:
+        write_features(config, tmp_path / "big", max_gb=1e-6)
+    message = str(err.value)
+    assert "Train with online features instead (leave train.features unset)" in message
+    assert "TFLOP per epoch" in message and "store --dtype bfloat16" in message
+    with pytest.raises(SelfdraftError) as err:
+        write_features(config, tmp_path / "big", max_gb=1e-6, dtype="bfloat16")
+    assert "online features" in str(err.value) and "--dtype bfloat16" not in str(err.value)
+    assert f"for {tiny_target} (7 layers, hidden 32)" in capsys.readouterr().out
+    assert not (tmp_path / "big").exists()
+
+
 def test_feature_cache_errors_are_clear_and_write_nothing(tiny_target, tmp_path, capsys):
     from selfdraft.cli import main
     from selfdraft.train.features import write_features

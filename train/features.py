@@ -108,6 +108,28 @@ def _chunks(indices: list[int], lengths: list[int], shard_tokens: int) -> list[l
     return shards
 
 
+def _online_cost(folder, train_tokens: int, identity) -> str:
+    """`` (about N target forward FLOPs for this data)``: what online features cost in compute instead of
+    disk, from the target's config (2 x parameters per token); empty when the config is not at hand."""
+    try:
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(str(folder)).get_text_config() if folder is not None else None
+    except (OSError, ValueError):
+        text = None
+    if text is None:
+        return ""
+    H, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or H // heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    inter = getattr(text, "intermediate_size", 4 * H)
+    per_layer = H * head_dim * heads * 2 + H * head_dim * kv * 2 + 3 * H * inter
+    params = L * per_layer + V * H  # the LM head runs; the embedding is a lookup
+    return (f" (the target's forwards over this data's {train_tokens:,} training tokens: about "
+            f"{2 * params * train_tokens / 1e12:,.1f} TFLOP per epoch, {params / 1e9:.2f} B multiply-adds per token)")
+
+
 def _diff(old: dict, new: dict) -> list[str]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
@@ -124,7 +146,7 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from selfdraft.heads.target import load_target
+    from selfdraft.heads.target import load_target, load_target_tokenizer, resolve_dtype, target_folder
     from selfdraft.train.loop import data_key, prepare_data
 
     t = config.train
@@ -132,18 +154,19 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     out = pathlib.Path(out) if out is not None else run_dir / "features"
     # The run's autocast too: its online features are computed under it.
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision)
-    target = load_target(config.target.spec, dtype=config.target.dtype, device=str(accelerator.device),
-                         trust_remote_code=config.target.trust_remote_code)
-    if target.tokenizer is None:
-        raise SelfdraftError(f"target {config.target.spec} has no tokenizer: its chat template renders the data")
-    text = target.model.config.get_text_config()
-    layers = sorted(set(layers) | {text.num_hidden_layers}) if layers else run_feature_layers(config, target.model)
-    if not all(0 <= i <= text.num_hidden_layers for i in layers):
-        raise SelfdraftError(f"layers {layers} out of range for a target with {text.num_hidden_layers} layers")
-    store = target.model.dtype if dtype == "auto" else getattr(torch, dtype, None)
+    # The plan and its size come from the config, the tokenizer and the rendered data: the weights are
+    # loaded only once the cache is known to fit.
+    tokenizer, identity = load_target_tokenizer(config.target.spec, trust_remote_code=config.target.trust_remote_code)
+    target_dtype = resolve_dtype(config.target.dtype, accelerator.device)
+    num_layers, hidden = identity.num_layers, identity.hidden_size
+    layers = (sorted(set(layers) | {num_layers}) if layers
+              else feature_layers(config.drafter.kind, num_layers, config.drafter.eagle.aux_layers))
+    if not all(0 <= i <= num_layers for i in layers):
+        raise SelfdraftError(f"layers {layers} out of range for a target with {num_layers} layers")
+    store = target_dtype if dtype == "auto" else getattr(torch, dtype, None)
     if not isinstance(store, torch.dtype) or not store.is_floating_point:
         raise SelfdraftError(f"--dtype {dtype!r}: use auto, float32, bfloat16 or float16")
-    train_data, eval_data = prepare_data(config, target.tokenizer, run_dir / "data", accelerator)
+    train_data, eval_data = prepare_data(config, tokenizer, run_dir / "data", accelerator)
     if not train_data:
         raise SelfdraftError("the training split is empty: nothing to precompute")
     train_idx = (_visited(len(train_data), steps, t.micro_batch_size * t.grad_accum * processes, t.seed)
@@ -151,9 +174,9 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     splits = {"train": (train_data, train_idx), "eval": (eval_data, list(range(len(eval_data))))}
     plan = {name: _chunks(idx, [len(x) for x, _ in data], shard_tokens) for name, (data, idx) in splits.items()}
     key: dict[str, Any] = {
-        "format": FORMAT_VERSION, "target": target.identity.to_dict(), "target_dtype": str(target.model.dtype),
-        "data": data_key(config, target.tokenizer), "layers": layers, "dtype": str(store).removeprefix("torch."),
-        "hidden_size": int(text.hidden_size),
+        "format": FORMAT_VERSION, "target": identity.to_dict(), "target_dtype": str(target_dtype),
+        "data": data_key(config, tokenizer), "layers": layers, "dtype": str(store).removeprefix("torch."),
+        "hidden_size": int(hidden),
         "coverage": {"steps": steps, "global_batch": t.micro_batch_size * t.grad_accum * processes, "seed": t.seed},
         "plan": plan,
     }
@@ -164,21 +187,33 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
             raise SelfdraftError(f"{out} holds a feature cache for other settings ({', '.join(_diff(old, key))} differ): "
                                  "remove it or choose another --out")
     tokens = {name: sum(len(data[i][0]) for i in idx) for name, (data, idx) in splits.items()}
-    per_token = len(layers) * text.hidden_size * store.itemsize
+    per_token = len(layers) * hidden * store.itemsize
     shard_path = {(name, s): out / name / f"shard-{s:05d}.safetensors" for name in plan for s in range(len(plan[name]))}
     todo = [(name, s) for (name, s), path in shard_path.items() if not path.is_file()]
     todo_tokens = sum(len(splits[name][0][i][0]) for name, s in todo for i in plan[name][s])
     total_gb, todo_gb = sum(tokens.values()) * per_token / 1e9, todo_tokens * per_token / 1e9
     existing = next(p for p in (out, *out.absolute().parents) if p.exists())  # the folder may not exist yet
     free_gb = shutil.disk_usage(existing).free / 1e9
-    print(f"feature cache {out}: {len(train_idx)} train + {len(eval_data)} eval conversations, "
-          f"{sum(tokens.values())} tokens x {len(layers)} layers {layers} x {text.hidden_size} in {key['dtype']}: "
-          f"{total_gb:.2f} GB ({todo_gb:.2f} GB left to write, {free_gb:.1f} GB free)")
-    if total_gb > max_gb:
-        raise SelfdraftError(f"the feature cache needs {total_gb:.2f} GB, more than --max-gb {max_gb:g}: raise --max-gb, "
-                             "store --dtype bfloat16 (half), cache fewer --steps or lower data.max_conversations")
-    if todo_gb > free_gb:
-        raise SelfdraftError(f"the feature cache needs {todo_gb:.2f} GB more and the disk has {free_gb:.1f} GB free")
+    print(f"feature cache {out} for {identity.name} ({num_layers} layers, hidden {hidden}): {len(train_idx)} train + "
+          f"{len(eval_data)} eval conversations, {sum(tokens.values())} tokens x {len(layers)} layers {layers} x "
+          f"{hidden} in {key['dtype']}: {total_gb:.2f} GB ({todo_gb:.2f} GB left to write, {free_gb:.1f} GB free)")
+    if total_gb > max_gb or todo_gb > free_gb:
+        folder = target_folder(config.target.spec)
+        online = _online_cost(folder, tokens["train"], identity)
+        fixes = [f"raise --max-gb (now {max_gb:g})" if total_gb > max_gb else "free disk space"]
+        if store.itemsize > 2:
+            fixes.append("store --dtype bfloat16 (half the size)")
+        fixes += ["cache fewer --steps", "or lower data.max_conversations"]
+        need = (f"the feature cache needs {total_gb:.2f} GB, more than --max-gb {max_gb:g}" if total_gb > max_gb
+                else f"the feature cache needs {todo_gb:.2f} GB more and the disk has {free_gb:.1f} GB free")
+        raise SelfdraftError(f"{need}. Train with online features instead (leave train.features unset): the run then "
+                             f"computes them with the target's forward in every step and needs no disk{online}. "
+                             f"Else {', '.join(fixes)}.")
+    target = load_target(config.target.spec, dtype=config.target.dtype, device=str(accelerator.device),
+                         trust_remote_code=config.target.trust_remote_code)
+    if target.identity != identity or target.model.dtype != target_dtype:
+        raise SelfdraftError(f"target {config.target.spec} loaded as {target.identity} in {target.model.dtype}, "
+                             f"planned as {identity} in {target_dtype}")
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(key), encoding="utf-8")
