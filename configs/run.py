@@ -137,6 +137,10 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm; 0 disables it."""
+    dist_timeout_minutes: float = 30.0
+    """How long a process waits in a collective (a barrier, a gradient all-reduce) for the others before
+    the run fails instead of hanging: raise it where one rank renders data or loads a large target while
+    the others wait (multi-node runs), lower it to find a hang sooner."""
     mixed_precision: Literal["no", "bf16", "fp16"] | None = None
     """Autocast through accelerate: unset (null) takes accelerate's own setting (its config file or
     ``accelerate launch --mixed_precision``; ``no`` outside a launch); a value here wins and is logged.
@@ -184,6 +188,7 @@ class RunConfig:
             (t.warmup_steps >= 0, "train.warmup_steps must be >= 0"),
             (0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]"),
             (t.max_grad_norm >= 0, "train.max_grad_norm must be >= 0"),
+            (t.dist_timeout_minutes > 0, "train.dist_timeout_minutes must be > 0"),
             (min(t.eval_every, t.eval_batches, t.save_every, t.num_threads) >= 0, "train.eval_every, eval_batches, save_every and num_threads must be >= 0"),
             (t.keep_last >= 1, "train.keep_last must be >= 1"),
             (t.log_every >= 1, "train.log_every must be >= 1"),

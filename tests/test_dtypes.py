@@ -72,3 +72,32 @@ def test_distill_pads_with_eos_where_the_tokenizer_has_no_pad_token(embedded_fp3
     assert answers == [[m["content"] for m in c] for c in iter_conversations(DataConfig(source=str(reference)))]
     assert json.loads((padded / "distill.json").read_text())["distill"]["batch_size"] == 3
 
+
+
+def test_collective_timeout_comes_from_the_run_config(monkeypatch, tmp_path):
+    """train.dist_timeout_minutes reaches the process group of a launched run (gloo on a CPU)."""
+    import datetime
+
+    import accelerate
+
+    from selfdraft.errors import SelfdraftError
+    from selfdraft.train.loop import _make_accelerator
+
+    seen = {}
+
+    class Capture:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+            self.is_main_process, self.mixed_precision, self.device = False, "no", "cpu"
+
+    monkeypatch.setattr(accelerate, "Accelerator", Capture)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _make_accelerator(load_run_config("smoke_cpu", ["train.dist_timeout_minutes=90"]), tmp_path)
+    (handler,) = seen["kwargs_handlers"]
+    assert handler.timeout == datetime.timedelta(minutes=90)
+    assert handler.backend == ("nccl" if torch.cuda.is_available() else "gloo")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    _make_accelerator(load_run_config("smoke_cpu"), tmp_path)
+    assert seen["kwargs_handlers"] == []
+    with pytest.raises(SelfdraftError, match="dist_timeout_minutes must be > 0"):
+        load_run_config("smoke_cpu", ["train.dist_timeout_minutes=0"])

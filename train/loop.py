@@ -17,6 +17,7 @@ scheduler and RNG states come back from the checkpoint.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import dataclasses
 import json
 import math
@@ -42,7 +43,7 @@ from selfdraft.train import checkpoint as ckpt
 # or only extend it).
 RESUMABLE_CHANGES = {"train.max_steps", "train.eval_every", "train.eval_batches", "train.save_every",
                      "train.keep_last", "train.log_every", "train.report_to", "train.wandb_project",
-                     "train.wandb_mode", "train.num_threads", "train.features"}
+                     "train.wandb_mode", "train.num_threads", "train.features", "train.dist_timeout_minutes"}
 
 
 class TrainingDiverged(SelfdraftError):
@@ -266,9 +267,13 @@ def _make_accelerator(config: RunConfig, out: pathlib.Path):
     from accelerate.utils import InitProcessGroupKwargs
 
     t = config.train
-    # Several processes without GPUs talk over gloo (DeepSpeed on CPU needs it said explicitly).
+    # Several processes without GPUs talk over gloo (DeepSpeed on CPU needs it said explicitly); every
+    # collective gives up after train.dist_timeout_minutes.
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
+    handlers = []
+    if launched:
+        timeout = datetime.timedelta(minutes=t.dist_timeout_minutes)
+        handlers.append(InitProcessGroupKwargs(timeout=timeout, **({} if torch.cuda.is_available() else {"backend": "gloo"})))
     if t.report_to == "wandb":
         os.environ.setdefault("WANDB_MODE", t.wandb_mode)
     # train.mixed_precision unset: accelerate's own setting (its config file / launch flag, else "no").
