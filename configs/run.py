@@ -167,6 +167,13 @@ class TrainConfig:
     features: str = ""
     """A feature cache written by ``selfdraft features`` for this run's data and target, streamed
     instead of running the target in every step; empty computes the target's features online."""
+    data_dir: str = ""
+    """Where the rendered train/eval split is kept. Empty: ``output_dir/data``, on the run's (shared)
+    filesystem, rendered once by the global main process. A node-local path (e.g. /local/selfdraft-data):
+    rendered once per node by that node's local main process, so no node waits on another's disk."""
+    render_processes: int = 1
+    """Processes that render (tokenise) the conversations in parallel; the split is the same for any
+    number."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,7 @@ class RunConfig:
             (0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]"),
             (t.max_grad_norm >= 0, "train.max_grad_norm must be >= 0"),
             (t.dist_timeout_minutes > 0, "train.dist_timeout_minutes must be > 0"),
+            (t.render_processes >= 1, "train.render_processes must be >= 1"),
             (min(t.eval_every, t.eval_batches, t.save_every, t.num_threads) >= 0, "train.eval_every, eval_batches, save_every and num_threads must be >= 0"),
             (t.keep_last >= 1, "train.keep_last must be >= 1"),
             (t.log_every >= 1, "train.log_every must be >= 1"),

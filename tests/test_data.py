@@ -277,6 +277,9 @@ def test_build_datasets_split_is_deterministic_and_complete(tokenizer, tmp_path)
     again_train, again_eval = build_datasets(config, tokenizer)
     assert list(again_train["input_ids"]) == list(train["input_ids"])
     assert list(again_eval["input_ids"]) == list(evaluation["input_ids"])
+    pooled_train, pooled_eval = build_datasets(config, tokenizer, processes=2)  # rendered by 2 worker processes
+    assert list(pooled_train["input_ids"]) == list(train["input_ids"])
+    assert list(pooled_eval["loss_mask"]) == list(evaluation["loss_mask"])
     reseeded = [build_datasets(dataclasses.replace(config, seed=seed), tokenizer)[1]["input_ids"] for seed in (4, 5)]
     reseeded = [list(ids) for ids in reseeded]
     assert any(ids != list(evaluation["input_ids"]) for ids in reseeded)  # the seed matters

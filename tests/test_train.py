@@ -184,6 +184,40 @@ def test_ddp_two_cpu_processes_equal_one_process_with_accumulation(tiny_target, 
 
 
 @pytest.mark.slow
+def test_two_nodes_render_their_own_data_and_equal_one_process(tiny_target, tmp_path):
+    """Two machines of one process each (here both on this host: torchrun's two-node rendezvous on
+    127.0.0.1), each with a node-local train.data_dir that its local main process renders: both folders
+    hold the same split, and the run equals one process accumulating the same batches."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    accelerate = shutil.which("accelerate", path=str(pathlib.Path(sys.executable).parent))
+    procs = [subprocess.Popen(
+        [accelerate, "launch", "--multi_gpu", "--num_machines", "2", "--machine_rank", str(r), "--main_process_ip",
+         "127.0.0.1", "--main_process_port", str(port), "--num_processes", "2", "--mixed_precision", "no",
+         "--dynamo_backend", "no", "-m", "selfdraft.train", "--config", "smoke_cpu",
+         *_overrides(tiny_target, tmp_path / "run"), f"train.data_dir={tmp_path / f'node{r}'}",
+         "train.dist_timeout_minutes=5"],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs[0][-3000:] + outputs[1][-3000:]
+    folders = [tmp_path / f"node{r}" for r in (0, 1)]
+    assert all((f / "fingerprint.json").is_file() for f in folders) and not (tmp_path / "run" / "data").exists()
+    assert (folders[0] / "fingerprint.json").read_text() == (folders[1] / "fingerprint.json").read_text()
+    state = ckpt.read_state(ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    assert state["world_size"] == 2 and state["step"] == 3
+    single = train(load_run_config("smoke_cpu", [*_overrides(tiny_target, tmp_path / "one"), "train.grad_accum=2",
+                                                 "train.render_processes=2"]))
+    two = ckpt.load_tree(ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints"), "trainable")
+    for name, value in single.objective.trainable_state_dict().items():
+        torch.testing.assert_close(two[name], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_deepspeed_zero2_on_cpu(tiny_target, tmp_path):
     _launch(["--config_file", str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"), "-m", "selfdraft.train",
              "--config", "smoke_cpu", *_overrides(tiny_target, tmp_path / "ds")], {}, tmp_path)

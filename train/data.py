@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import importlib.util
+import itertools
 import json
 import pathlib
 from collections.abc import Iterator, Mapping
@@ -368,8 +369,33 @@ def render(tokenizer, messages: list[dict[str, str]], max_length: int) -> tuple[
 # Datasets
 
 
-def build_datasets(config: DataConfig, tokenizer):
-    """Render ``config.source`` into ``(train, eval)`` ``datasets.Dataset`` objects.
+def _render_many(job: tuple[Any, list[list[dict[str, str]]], int]) -> list[tuple[list[int], list[int]]]:
+    tokenizer, conversations, max_length = job
+    return [render(tokenizer, messages, max_length) for messages in conversations]
+
+
+def _rendered(conversations, tokenizer, max_length: int, processes: int, chunk: int = 64):
+    """(input_ids, loss_mask) of each conversation, in order; with ``processes`` > 1 rendered by a pool
+    of worker processes, ``chunk`` conversations per task."""
+    if processes <= 1:
+        for messages in conversations:
+            yield render(tokenizer, messages, max_length)
+        return
+    import multiprocessing
+
+    def jobs():
+        it = iter(conversations)
+        while batch := list(itertools.islice(it, chunk)):
+            yield tokenizer, batch, max_length
+
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        for rendered in pool.imap(_render_many, jobs()):
+            yield from rendered
+
+
+def build_datasets(config: DataConfig, tokenizer, processes: int = 1):
+    """Render ``config.source`` into ``(train, eval)`` ``datasets.Dataset`` objects, with ``processes``
+    worker processes (the result does not depend on their number).
 
     Columns: ``input_ids`` (int32 list, T <= ``max_length``), ``loss_mask`` (int8 list, T) and
     ``length`` (int32, T). Conversations whose mask is all zero after truncation are dropped. The
@@ -386,10 +412,9 @@ def build_datasets(config: DataConfig, tokenizer):
     input_ids: list[np.ndarray] = []
     loss_masks: list[np.ndarray] = []
     all_masked_out = 0
-    progress = tqdm(iter_conversations(config, stats), desc="rendering conversations", unit="conv",
-                    total=config.max_conversations, disable=None)
-    for messages in progress:
-        ids, mask = render(tokenizer, messages, config.max_length)
+    progress = tqdm(_rendered(iter_conversations(config, stats), tokenizer, config.max_length, processes),
+                    desc="rendering conversations", unit="conv", total=config.max_conversations, disable=None)
+    for ids, mask in progress:
         if not any(mask):
             all_masked_out += 1
             continue

@@ -43,7 +43,8 @@ from selfdraft.train import checkpoint as ckpt
 # or only extend it).
 RESUMABLE_CHANGES = {"train.max_steps", "train.eval_every", "train.eval_batches", "train.save_every",
                      "train.keep_last", "train.log_every", "train.report_to", "train.wandb_project",
-                     "train.wandb_mode", "train.num_threads", "train.features", "train.dist_timeout_minutes"}
+                     "train.wandb_mode", "train.num_threads", "train.features", "train.dist_timeout_minutes", "train.data_dir",
+                     "train.render_processes"}
 
 
 class TrainingDiverged(SelfdraftError):
@@ -85,18 +86,28 @@ def data_key(config: RunConfig, tokenizer) -> dict[str, Any]:
     return {"data": to_dict(config.data), "tokenizer": tokenizer_fingerprint(tokenizer)}
 
 
+def data_folder(config: RunConfig) -> pathlib.Path:
+    """The folder of the rendered split: ``train.data_dir`` (node-local) or ``output_dir/data`` (shared)."""
+    return pathlib.Path(config.train.data_dir or pathlib.Path(config.train.output_dir) / "data")
+
+
 def prepare_data(config: RunConfig, tokenizer, folder: pathlib.Path, accelerator) -> tuple[list, list]:
-    """Render (or reload) the train/eval split; returns lists of (input_ids, loss_mask) int arrays."""
+    """Render (or reload) the train/eval split; returns lists of (input_ids, loss_mask) int arrays.
+
+    One process per filesystem renders: the global main process for the run's own folder, each node's
+    local main process for a node-local ``train.data_dir``; the others wait (at most
+    ``train.dist_timeout_minutes``) and read it."""
     import datasets
 
     from selfdraft.train.data import build_datasets
 
     key = data_key(config, tokenizer)
     marker = folder / "fingerprint.json"
-    if accelerator.is_main_process:
+    renders = accelerator.is_local_main_process if config.train.data_dir else accelerator.is_main_process
+    if renders:
         fresh = not (marker.is_file() and json.loads(marker.read_text()) == key)
         if fresh:
-            train_ds, eval_ds = build_datasets(config.data, tokenizer)
+            train_ds, eval_ds = build_datasets(config.data, tokenizer, processes=config.train.render_processes)
             work = folder.parent / f".{folder.name}.tmp"
             shutil.rmtree(work, ignore_errors=True)
             train_ds.save_to_disk(str(work / "train"))
@@ -324,7 +335,9 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False), encoding="utf-8")
-    with accelerator.main_process_first():  # a built-in target is converted once, by the main process
+    # A built-in target is converted once per node (its cache is usually node-local; on a shared one the
+    # conversion is atomic, so two nodes converting at once waste time, nothing else).
+    with accelerator.local_main_process_first():
         target_folder(config.target.spec)
     # Every rank loads at once: under ZeRO-3 transformers partitions the weights as they load, with
     # collectives that all ranks must join.
@@ -333,7 +346,7 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     if target.tokenizer is None:
         raise SelfdraftError(f"target {config.target.spec} has no tokenizer: training needs its chat template")
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    train_data, eval_data = prepare_data(config, target.tokenizer, out / "data", accelerator)
+    train_data, eval_data = prepare_data(config, target.tokenizer, data_folder(config), accelerator)
     if not eval_data:
         raise SelfdraftError("the held-out split is empty: raise data.eval_fraction or give more conversations")
 
