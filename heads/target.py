@@ -348,26 +348,36 @@ def target_folder(spec: str, cache_dir: str | os.PathLike | None = None) -> path
     return path.resolve() if path.is_dir() else None
 
 
+def target_identity(spec: str, config, tokenizer: PreTrainedTokenizerBase | None, model_class: str) -> TargetIdentity:
+    """The identity of the target ``spec`` from its model config and tokenizer; ``model_class`` names the
+    architecture where the config lists none."""
+    text = config.get_text_config()
+    return TargetIdentity(
+        name=str(spec), architecture=(config.architectures or [model_class])[0], vocab_size=int(text.vocab_size),
+        hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
+        tokenizer_hash=tokenizer_fingerprint(tokenizer))
+
+
 def load_target_tokenizer(spec: str, *, trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None,
                           ) -> tuple[PreTrainedTokenizerBase, TargetIdentity]:
     """A target's tokenizer and identity without its weights: for work a serving engine does with the
     weights (``selfdraft distill --server``). Same specs as :func:`load_target`."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     folder = target_folder(spec, cache_dir)
     source = str(folder) if folder is not None else str(spec)
+    remote = trust_remote_code and str(spec) not in BUILTIN_TARGETS
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code and str(spec) not in BUILTIN_TARGETS)
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code and str(spec) not in BUILTIN_TARGETS)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=remote)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=remote)
     except (OSError, ValueError) as err:
         reason = " ".join(str(err).split())[:300]
         raise SelfdraftError(f"could not read the config and tokenizer of target {spec!r} ({type(err).__name__}: {reason})") from err
-    text = config.get_text_config()
-    identity = TargetIdentity(
-        name=str(spec), architecture=(config.architectures or ["unknown"])[0], vocab_size=int(text.vocab_size),
-        hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
-        tokenizer_hash=tokenizer_fingerprint(tokenizer))
-    return tokenizer, identity
+    # Without config.architectures, the class load_target's AutoModelForCausalLM would build.
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "unknown")
+    return tokenizer, target_identity(spec, config, tokenizer, model_class)
 
 
 def load_target(spec: str, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
@@ -402,9 +412,4 @@ def load_target(spec: str, *, dtype: str | torch.dtype = "auto", device: str = "
         use_small_batch_matmul(model)
     if model.dtype != torch_dtype:
         raise SelfdraftError(f"target {spec} loaded as {model.dtype}, not the requested {torch_dtype}")
-    cfg = model.config.get_text_config()
-    identity = TargetIdentity(
-        name=str(spec), architecture=(model.config.architectures or [type(model).__name__])[0],
-        vocab_size=int(cfg.vocab_size), hidden_size=int(cfg.hidden_size),
-        num_layers=int(cfg.num_hidden_layers), tokenizer_hash=tokenizer_fingerprint(tokenizer))
-    return Target(model=model, tokenizer=tokenizer, identity=identity)
+    return Target(model=model, tokenizer=tokenizer, identity=target_identity(spec, model.config, tokenizer, type(model).__name__))

@@ -200,7 +200,7 @@ class Check:
         """A selfdraft Target with random weights of the ``which`` shape, built on the device."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from selfdraft.heads.target import Target, TargetIdentity, tokenizer_fingerprint
+        from selfdraft.heads.target import Target, target_identity
 
         torch = self.torch
         torch.manual_seed(0)
@@ -213,11 +213,8 @@ class Check:
             model.generation_config.eos_token_id = tokenizer.eos_token_id
         else:
             tokenizer = None
-        text = model.config.get_text_config()
-        identity = TargetIdentity(name=f"random-{which}", architecture="LlamaForCausalLM", vocab_size=text.vocab_size,
-                                  hidden_size=text.hidden_size, num_layers=text.num_hidden_layers,
-                                  tokenizer_hash=tokenizer_fingerprint(tokenizer))
-        return Target(model=model, tokenizer=tokenizer, identity=identity)
+        return Target(model=model, tokenizer=tokenizer,
+                      identity=target_identity(f"random-{which}", model.config, tokenizer, type(model).__name__))
 
     def prompts(self, task: str, n: int, tokenizer) -> list[list[int]]:
         from selfdraft.inference.api import encode_prompt

@@ -302,3 +302,19 @@ def test_materialise_is_atomic_and_replaces_incomplete_folder(tmp_path, monkeypa
     with pytest.raises(SelfdraftError, match="boom"):
         T._materialise_builtin(spec, tmp_path / "other")
     assert list((tmp_path / "other").iterdir()) == []  # a failed conversion leaves nothing
+
+
+def test_identity_without_weights_equals_the_loaded_one(tiny_target, tmp_path):
+    """load_target_tokenizer (distill --server, the feature planner) names the same target as
+    load_target, also for a config that lists no architectures."""
+    import json
+    import shutil
+
+    from selfdraft.heads.target import load_target_tokenizer
+
+    folder = shutil.copytree(tiny_target, tmp_path / "bare")
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("architectures", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    for spec in (str(tiny_target), str(folder)):
+        assert load_target_tokenizer(spec)[1] == load_target(spec).identity
