@@ -389,7 +389,7 @@ def test_cached_features_give_the_same_batches_and_the_same_run(tiny_target, tmp
     cache = open_feature_cache(cached_config, target, online.objective.feature_layers)
     from accelerate import Accelerator
 
-    train_data, eval_data = prepare_data(cached_config, target.tokenizer, tmp_path / "cached" / "data", Accelerator(cpu=True))
+    train_data, eval_data = prepare_data(cached_config, target.tokenizer, Accelerator(cpu=True))
     for split, data in (("train", train_data), ("eval", eval_data)):
         for start in range(0, len(data), 3):
             idx = list(range(start, min(start + 3, len(data))))

@@ -147,7 +147,7 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     from tqdm.auto import tqdm
 
     from selfdraft.heads.target import load_target, load_target_tokenizer, resolve_dtype, target_folder
-    from selfdraft.train.loop import data_folder, data_key, prepare_data
+    from selfdraft.train.loop import data_key, prepare_data
 
     t = config.train
     run_dir = pathlib.Path(t.output_dir)
@@ -166,7 +166,7 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     store = target_dtype if dtype == "auto" else getattr(torch, dtype, None)
     if not isinstance(store, torch.dtype) or not store.is_floating_point:
         raise SelfdraftError(f"--dtype {dtype!r}: use auto, float32, bfloat16 or float16")
-    train_data, eval_data = prepare_data(config, tokenizer, data_folder(config), accelerator)
+    train_data, eval_data = prepare_data(config, tokenizer, accelerator)
     if not train_data:
         raise SelfdraftError("the training split is empty: nothing to precompute")
     train_idx = (_visited(len(train_data), steps, t.micro_batch_size * t.grad_accum * processes, t.seed)

@@ -91,8 +91,9 @@ def data_folder(config: RunConfig) -> pathlib.Path:
     return pathlib.Path(config.train.data_dir or pathlib.Path(config.train.output_dir) / "data")
 
 
-def prepare_data(config: RunConfig, tokenizer, folder: pathlib.Path, accelerator) -> tuple[list, list]:
-    """Render (or reload) the train/eval split; returns lists of (input_ids, loss_mask) int arrays.
+def prepare_data(config: RunConfig, tokenizer, accelerator) -> tuple[list, list]:
+    """Render (or reload) the train/eval split in :func:`data_folder`; returns lists of (input_ids,
+    loss_mask) int arrays.
 
     One process per filesystem renders: the global main process for the run's own folder, each node's
     local main process for a node-local ``train.data_dir``; the others wait (at most
@@ -102,6 +103,7 @@ def prepare_data(config: RunConfig, tokenizer, folder: pathlib.Path, accelerator
     from selfdraft.train.data import build_datasets
 
     key = data_key(config, tokenizer)
+    folder = data_folder(config)
     marker = folder / "fingerprint.json"
     renders = accelerator.is_local_main_process if config.train.data_dir else accelerator.is_main_process
     if renders:
@@ -346,7 +348,7 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     if target.tokenizer is None:
         raise SelfdraftError(f"target {config.target.spec} has no tokenizer: training needs its chat template")
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    train_data, eval_data = prepare_data(config, target.tokenizer, data_folder(config), accelerator)
+    train_data, eval_data = prepare_data(config, target.tokenizer, accelerator)
     if not eval_data:
         raise SelfdraftError("the held-out split is empty: raise data.eval_fraction or give more conversations")
 
