@@ -237,6 +237,60 @@ def test_deepspeed_zero2_on_cpu(tiny_target, tmp_path):
         torch.testing.assert_close(drafter.state_dict()[name], value, rtol=1e-4, atol=1e-5)
 
 
+def _killed_when_a_checkpoint_appears(args, env_extra, cwd, ckpt_root):
+    """Start ``accelerate launch ARGS`` and kill its whole process group (SIGKILL, as a crash or a
+    preempted job would) as soon as a complete checkpoint exists; returns that checkpoint's step."""
+    import signal
+    import time
+
+    import psutil
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **env_extra}
+    accelerate = shutil.which("accelerate", path=str(pathlib.Path(sys.executable).parent))
+    proc = subprocess.Popen([accelerate, "launch", *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while ckpt.latest_checkpoint(ckpt_root) is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    running = proc.poll() is None
+    # The launcher's workers may sit in sessions of their own: kill every descendant, then the launcher.
+    for child in psutil.Process(proc.pid).children(recursive=True) if running else []:
+        child.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
+    output = proc.communicate()[0]
+    assert running, "the run ended before it could be killed:\n" + output[-4000:]
+    return ckpt.read_state(ckpt.latest_checkpoint(ckpt_root))["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_deepspeed_zero3_equals_one_process_and_resumes_after_a_kill(tiny_target, tmp_path, kind):
+    """ZeRO-3 on 2 CPU processes (gloo): the target created partitioned, every process running the
+    same forwards (evaluation included), a run killed with SIGKILL and resumed equals the uninterrupted
+    ZeRO-3 run bit for bit, and both equal one process accumulating the same batches (to float
+    tolerance: 2 processes sum the gradients in another order)."""
+    config = ["--config_file", str(REPO / "configs" / "accelerate" / "deepspeed_zero3.yaml"), "-m", "selfdraft.train",
+              "--config", "smoke_cpu"]
+    run = [f"drafter.kind={kind}", "train.max_steps=40", "train.save_every=2", "train.eval_every=20",
+           "train.dist_timeout_minutes=5"]
+    whole = _launch([*config, *_overrides(tiny_target, tmp_path / "whole"), *run], {}, tmp_path)
+    assert "ZeRO-3 created the target partitioned: this process holds" in whole.stderr
+    killed = tmp_path / "killed"
+    step = _killed_when_a_checkpoint_appears([*config, *_overrides(tiny_target, killed), *run], {}, tmp_path,
+                                             killed / "checkpoints")
+    assert 2 <= step < 40
+    resumed = _launch([*config, "--resume", *_overrides(tiny_target, killed), *run], {}, tmp_path)
+    assert f"resuming from" in resumed.stdout + resumed.stderr
+    a = ckpt.load_tree(ckpt.latest_checkpoint(tmp_path / "whole" / "checkpoints"), "trainable")
+    b = ckpt.load_tree(ckpt.latest_checkpoint(killed / "checkpoints"), "trainable")
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a), f"killed at step {step}"
+    assert (killed / "drafter").is_dir()
+    single = train(load_run_config("smoke_cpu", [*_overrides(tiny_target, tmp_path / "one"), *run, "train.grad_accum=2"]))
+    for name, value in single.objective.trainable_state_dict().items():
+        torch.testing.assert_close(a[name], value, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.embedded
 def test_distill_writes_resumable_shards_that_train_reads(embedded_fp32, tmp_path):
     from selfdraft.configs.schema import DataConfig

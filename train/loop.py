@@ -143,9 +143,14 @@ def stream_index(position: int, n: int, seed: int, _cache: dict = {}) -> int:
     return int(_cache[key][offset])
 
 
+MIN_BATCH_LENGTH = 3
+"""Every batch has at least this many positions (EAGLE pairs a feature at t with tokens t+1 and t+2),
+so that no objective has to skip a batch, which under ZeRO-3 would desynchronise the processes."""
+
+
 def collate(examples: list[tuple[np.ndarray, np.ndarray]], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Right-pad a list of (input_ids, loss_mask) to one batch of (B, T) tensors."""
-    T = max(len(ids) for ids, _ in examples)
+    """Right-pad a list of (input_ids, loss_mask) to one batch of (B, T) tensors, T >= MIN_BATCH_LENGTH."""
+    T = max(MIN_BATCH_LENGTH, *(len(ids) for ids, _ in examples))
     ids = np.full((len(examples), T), pad_id, dtype=np.int64)
     attn = np.zeros((len(examples), T), dtype=np.int64)
     mask = np.zeros((len(examples), T), dtype=np.int64)
@@ -196,19 +201,20 @@ def evaluate(objective, eval_data: list, config: RunConfig, accelerator, pad_id:
     model.eval()
     mb, world, rank = config.train.micro_batch_size, accelerator.num_processes, accelerator.process_index
     n_batches = math.ceil(len(eval_data) / mb)
-    mine = list(range(rank, n_batches, world))
     if config.train.eval_batches:
-        mine = mine[: config.train.eval_batches]
+        n_batches = min(n_batches, config.train.eval_batches * world)
+    # Batch b goes to process b % world. Every process runs the same number of forwards (ZeRO-3 gathers
+    # parameters collectively): one without a batch of its own in the last round runs batch 0 and
+    # counts nothing.
     total = None
-    for b in mine:
-        batch = make_batch(eval_data, list(range(b * mb, min((b + 1) * mb, len(eval_data)))), pad_id,
-                           accelerator.device, cache, "eval")
+    for b in range(rank, math.ceil(n_batches / world) * world, world):
+        batch = make_batch(eval_data, list(range(b * mb, min((b + 1) * mb, len(eval_data)))) if b < n_batches else [0],
+                           pad_id, accelerator.device, cache, "eval")
         with accelerator.autocast():
             _, stats = model(**batch)
+        if b >= n_batches:
+            stats = {k: torch.zeros_like(v) for k, v in stats.items()}
         total = _add_stats(total, stats)
-    if total is None:  # this process had no batch: contribute zeros of the right shapes
-        _, stats = model(**make_batch(eval_data, [0], pad_id, accelerator.device, cache, "eval"))
-        total = {k: torch.zeros_like(v) for k, v in stats.items()}
     total = {k: accelerator.reduce(v, reduction="sum") for k, v in sorted(total.items())}
     model.train(was_training)
     metrics = {f"eval/{k}": v for k, v in summarise(total).items()}
@@ -341,12 +347,19 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     # conversion is atomic, so two nodes converting at once waste time, nothing else).
     with accelerator.local_main_process_first():
         target_folder(config.target.spec)
-    # Every rank loads at once: under ZeRO-3 transformers partitions the weights as they load, with
-    # collectives that all ranks must join.
-    target = load_target(config.target.spec, dtype=config.target.dtype, device=str(accelerator.device),
-                         trust_remote_code=config.target.trust_remote_code)
+    # Every rank loads at once. Under ZeRO-3 the target is created partitioned (deepspeed.zero.Init,
+    # whatever zero3_init_flag says): each rank keeps its shard of every weight, never the whole model,
+    # and the loading collectives need all ranks.
+    with _partitioned_creation(accelerator):
+        target = load_target(config.target.spec, dtype=config.target.dtype, device=str(accelerator.device),
+                             trust_remote_code=config.target.trust_remote_code)
     if target.tokenizer is None:
         raise SelfdraftError(f"target {config.target.spec} has no tokenizer: training needs its chat template")
+    if _zero3(accelerator) and main:
+        held = sum(p.ds_tensor.numel() for p in target.model.parameters())
+        whole = sum(p.ds_numel for p in target.model.parameters())
+        print(f"selfdraft: ZeRO-3 created the target partitioned: this process holds {held:,} of its {whole:,} "
+              "parameters", file=sys.stderr, flush=True)
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     train_data, eval_data = prepare_data(config, target.tokenizer, accelerator)
     if not eval_data:
@@ -382,8 +395,10 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
             with _full_parameters(accelerator, unwrapped, modify=True):
                 unwrapped.load_trainable_state_dict(ckpt.load_tree(resume_from, "trainable"))
             if state["sharded_optimizer"]:  # ZeRO: every rank reads every partition's state
-                model.optimizer.load_state_dict([ckpt.load_tree(resume_from, f"optimizer-rank{r}") for r in range(world)],
-                                                load_from_fp32_weights=True)
+                parts = [ckpt.load_tree(resume_from, f"optimizer-rank{r}") for r in range(world)]
+                for part in parts:  # the static loss scaler _zero_state_dict left out (a Python object)
+                    part.setdefault("loss_scaler", model.optimizer.loss_scaler)
+                model.optimizer.load_state_dict(parts, load_from_fp32_weights=True)
             else:
                 optimizer.load_state_dict(ckpt.load_tree(resume_from, "optimizer"))
             ckpt.set_rng_state(ckpt.load_tree(resume_from, f"rng-rank{rank}"))
@@ -508,17 +523,30 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
                        objective=unwrapped)
 
 
-def _full_parameters(accelerator, module, modify: bool = False):
-    """Under DeepSpeed ZeRO-3, gather the module's partitioned parameters (all ranks must enter);
-    with ``modify``, rank 0's changes are partitioned back on exit. A no-op otherwise."""
+def _zero3(accelerator) -> bool:
     from accelerate.utils import DistributedType
 
-    plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
-    if plugin is None or plugin.zero_stage != 3:
+    return accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
+
+
+def _partitioned_creation(accelerator):
+    """Under ZeRO-3, models created inside are partitioned as they load (transformers' from_pretrained
+    under deepspeed.zero.Init); a no-op otherwise."""
+    if not _zero3(accelerator):
+        return contextlib.nullcontext()
+    return accelerator.state.deepspeed_plugin.zero3_init_context_manager(enable=True)
+
+
+def _full_parameters(accelerator, module, modify: bool = False):
+    """Under DeepSpeed ZeRO-3, gather the module's partitioned trainable parameters (all ranks must
+    enter; the frozen target stays sharded); with ``modify``, rank 0's changes are partitioned back on
+    exit. A no-op otherwise."""
+    if not _zero3(accelerator):
         return contextlib.nullcontext()
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0 if modify else None)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    return deepspeed.zero.GatheredParameters(trainable, modifier_rank=0 if modify else None)
 
 
 def _zero_state_dict(optimizer) -> dict:

@@ -25,6 +25,7 @@ drafter's fp32 weights in fp32); softmaxes, losses and gradient sums are always 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -43,9 +44,30 @@ this size (64 MiB each), 130 positions of a 128k vocabulary, 341 of SmolLM2's 49
 
 
 def _zero_loss(module: nn.Module) -> torch.Tensor:
-    """0 connected to every parameter of ``module``: a batch with no supervised position still
-    backpropagates (zero) gradients, so processes never disagree on which parameters got one."""
-    return sum(p.sum() for p in module.parameters()) * 0.0
+    """0 connected to every parameter of ``module``: DDP then sees a gradient for every parameter in
+    every backward, whatever the batch held. Under DeepSpeed ZeRO-3 (partitioned parameters, which
+    carry ``ds_id``) a plain 0: touching a partitioned parameter outside its module's forward would
+    record its empty shard's shape for the gradient (the backward then fails with "invalid gradient ...
+    expected shape compatible with [0]"), and ZeRO-3 counts the parameters a backward reaches itself.
+
+    Collective safety: the objectives run every module of the drafter on every batch, on zero rows
+    when a batch has nothing for it, so that all processes gather the same partitioned parameters in
+    the same order (a data-dependent skip would deadlock ZeRO-3's all-gathers)."""
+    params = list(module.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        return torch.zeros((), device=params[0].device)
+    return sum(p.sum() for p in params) * 0.0
+
+
+def _gathered(params: list[torch.Tensor | None]):
+    """Read ``params`` whole inside the context: a target created partitioned under DeepSpeed ZeRO-3
+    (``zero3_init_flag``) holds a shard of each weight per process, gathered here and released after."""
+    params = [p for p in params if p is not None]
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
 
 
 def _load_trainable(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -218,7 +240,8 @@ class _HeadLossFunction(torch.autograd.Function):
                         d_params[2 * u + 1] += d_logits.float().sum(0)
                     del d_logits
                 del p_all
-            table[:, 0] /= torch.tensor([len(g.rows) for g in groups], dtype=torch.float32, device=device)
+            # A group without rows (nothing of its kind in this batch) has loss 0 and zero gradients.
+            table[:, 0] /= torch.tensor([max(1, len(g.rows)) for g in groups], dtype=torch.float32, device=device)
             total = (table[:, 0] * torch.tensor([g.weight for g in groups], dtype=torch.float32, device=device)).sum()
         ctx.mark_non_differentiable(table)
         ctx.save_for_backward(*d_hidden, *(d for d in d_params if d is not None))
@@ -297,8 +320,9 @@ class MedusaObjective(nn.Module):
                                      own_lm_head=config.own_lm_head)
             if config.own_lm_head:  # start every head's projection as the target's LM head (Medusa)
                 weight = target_model.get_output_embeddings().weight
-                for head in self.heads.lm_heads:
-                    head.weight.data.copy_(weight.detach().float())
+                with _gathered([weight]):
+                    for head in self.heads.lm_heads:
+                        head.weight.data.copy_(weight.detach().float())
         self.heads.float()
         self.feature_layers = feature_layers("medusa", cfg.num_hidden_layers)
 
@@ -342,9 +366,7 @@ class MedusaObjective(nn.Module):
         # distribution there (labels: target) or the data's next token, input_ids[u+1] (labels: data).
         chosen = []  # (k, sel (B, n) over t, the same (B, T) over u = t+1+k)
         for k in range(K):
-            n = T - 2 - k
-            if n <= 0:
-                continue
+            n = max(0, T - 2 - k)  # positions t with a token t+2+k (none in a short batch: an empty group)
             sel = mask[:, 2 + k:]  # (B, n): is the predicted token t+2+k an assistant token
             if self.training and cfg.position_fraction < 1:
                 sel = sel & (torch.rand(sel.shape, device=device) < cfg.position_fraction)
@@ -352,33 +374,29 @@ class MedusaObjective(nn.Module):
             at[:, 1 + k:1 + k + n] = sel
             chosen.append((k, sel, at))
         need, rows = _teacher_rows([at for _, _, at in chosen])  # need (B, T): the positions u in use
-        groups, used = [], []
+        groups = []
         for (k, sel, _), head_rows in zip(chosen, rows):
-            if len(head_rows) == 0:
-                continue
+            # Every head runs, on zero rows when the batch has none for it (collective safety, _zero_loss).
             # The target's (maybe bf16) state, cast to the heads' fp32 master weights' dtype; then head k's
             # blocks (MedusaHeads.head_logits, less its vocabulary projection, which the loss applies).
-            h = self.heads.blocks[k](hidden[:, :T - 2 - k][sel].to(heads_dtype))  # (M, D)
+            h = self.heads.blocks[k](hidden[:, :sel.shape[1]][sel].to(heads_dtype))  # (M, D)
             head = self.heads.lm_heads[k] if self.heads.lm_heads is not None else lm_head
             groups.append(_Group(h, head, head_rows, cfg.head_decay ** k))
-            used.append(k)
-        if groups:
-            if cfg.labels == "target":
-                teacher = _Teacher(hidden=hidden.detach()[need], head=lm_head)
-            else:
-                following = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)  # (B, T): token u+1 at u
-                teacher = _Teacher(labels=following[need])
-            total, table = _head_losses(groups, teacher, top_k=self.top_k, ranks=0 if self.training else R,
-                                        chunk_elements=self.chunk_elements)
-            loss = loss + total
-            index = torch.tensor(used, device=device)
-            tokens = torch.tensor([float(len(g.rows)) for g in groups], device=device)
-            with torch.no_grad():
-                stats["head_loss"][index] = table[:, 0] * tokens
-                stats["head_tokens"][index] = tokens
-                stats["top1"][index], stats["topk"][index] = table[:, 1], table[:, 2]
-                if not self.training:
-                    stats["rank_hits"][index] = table[:, 3:]
+        if cfg.labels == "target":
+            teacher = _Teacher(hidden=hidden.detach()[need], head=lm_head)
+        else:
+            following = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)  # (B, T): token u+1 at u
+            teacher = _Teacher(labels=following[need])
+        total, table = _head_losses(groups, teacher, top_k=self.top_k, ranks=0 if self.training else R,
+                                    chunk_elements=self.chunk_elements)
+        loss = loss + total
+        tokens = torch.tensor([float(len(g.rows)) for g in groups], device=device)
+        with torch.no_grad():
+            stats["head_loss"] = table[:, 0] * tokens
+            stats["head_tokens"] = tokens
+            stats["top1"], stats["topk"] = table[:, 1], table[:, 2]
+            if not self.training:
+                stats["rank_hits"] = table[:, 3:]
         if self.lora and cfg.lora.lm_loss_weight > 0:
             lm_loss, lm_tokens = self._lm_loss(input_ids, attention_mask, mask, hidden, lm_head)
             loss = loss + cfg.lora.lm_loss_weight * lm_loss
@@ -391,9 +409,7 @@ class MedusaObjective(nn.Module):
         data (``ce``) or the target without its adapter (``kl``); hidden (B, T, D) with gradients."""
         sel = mask[:, 1:]  # (B, T-1)
         h = hidden[:, :-1][sel]  # (M, D)
-        m = len(h)
-        if m == 0:
-            return hidden.new_zeros((), dtype=torch.float32), 0
+        m = len(h)  # may be 0: the adapter-free forward still runs on every process (collective safety)
         if self.config.lora.lm_loss == "ce":
             teacher = _Teacher(labels=input_ids[:, 1:][sel])
         else:
@@ -467,11 +483,13 @@ class EagleObjective(nn.Module):
             if len(ids) != self.drafter.draft_vocab_size:
                 raise SelfdraftError(f"draft vocabulary of {len(ids)} tokens, expected {self.drafter.draft_vocab_size}")
             self.drafter.set_vocab_map(ids)
-            with torch.no_grad():  # start from the target's head rows and final norm
-                self.drafter.lm_head.weight.copy_(target_model.get_output_embeddings().weight[ids].float())
-                final_norm = getattr(getattr(target_model, "model", None), "norm", None)
-                if final_norm is not None and hasattr(final_norm, "weight"):
-                    self.drafter.norm.weight.copy_(final_norm.weight.float())
+            # Start from the target's head rows and final norm.
+            head_weight = target_model.get_output_embeddings().weight
+            norm_weight = getattr(getattr(getattr(target_model, "model", None), "norm", None), "weight", None)
+            with torch.no_grad(), _gathered([head_weight, norm_weight]):
+                self.drafter.lm_head.weight.copy_(head_weight[ids].float())
+                if norm_weight is not None:
+                    self.drafter.norm.weight.copy_(norm_weight.float())
         self.steps = 1 if kind == "eagle" else config.ttt_steps
         self.feature_layers = feature_layers(kind, text.num_hidden_layers, self.drafter.dims.get("aux_layers", ()))
 
@@ -500,8 +518,8 @@ class EagleObjective(nn.Module):
                  "top1": torch.zeros(K, device=device), "topk": torch.zeros(K, device=device),
                  "rank_hits": torch.zeros(K, R, device=device)}
         loss = _zero_loss(self.drafter)
-        if L < 2:
-            return loss, stats
+        if L < 2:  # train.loop.collate pads every batch to MIN_BATCH_LENGTH (3) positions
+            raise SelfdraftError(f"EAGLE trains on batches of at least 3 positions, got {T}")
         mask = (loss_mask.bool() & attention_mask.bool())[:, 2:]  # (B, T-2): token t+2 is an assistant token
         # The drafter's inputs in its fp32 master weights' dtype (the target's may be bf16).
         embeds = self.target.get_input_embeddings()(input_ids[:, 1:]).detach().to(dtype)  # (B, L, H)
@@ -515,16 +533,14 @@ class EagleObjective(nn.Module):
             if self.training and cfg.feature_noise > 0:
                 x = x + (torch.rand_like(x) * 2 - 1) * cfg.feature_noise
             pred = self.drafter(x, embeds, positions, None)[:, : T - 2]  # (B, T-2, H) ~ f_{t+1}
-            m = int(mask.sum())
-            if m == 0:
-                return loss, stats
-            p_hat, f_true = pred[mask], feats[:, 1:T - 1][mask]  # (M, H)
-            reg = F.smooth_l1_loss(p_hat, f_true)
+            p_hat, f_true = pred[mask], feats[:, 1:T - 1][mask]  # (M, H); M may be 0 (collective safety)
+            m = len(p_hat)
+            reg = F.smooth_l1_loss(p_hat, f_true, reduction="sum") / max(1, p_hat.numel())  # the mean, 0 if empty
             # EagleDrafter.logits(p_hat, lm_head) == lm_head(p_hat): the target's head, full vocabulary.
             group = _Group(p_hat, lm_head, torch.arange(m, device=device), 1.0)
             kl, table = _head_losses([group], _Teacher(hidden=target_states[mask], head=lm_head), top_k=self.top_k,
                                      ranks=0, chunk_elements=self.chunk_elements)
-            loss = cfg.regression_weight * reg + cfg.kl_weight * kl
+            loss = loss + cfg.regression_weight * reg + cfg.kl_weight * kl
             self._stats(stats, [0], table, [m])
             return loss, stats
         # EAGLE-3: fused features of three layers, unrolled on its own outputs.
@@ -543,19 +559,17 @@ class EagleObjective(nn.Module):
             outputs.append(step_out)
             feature = torch.cat([torch.zeros_like(step_out[:, :1]), step_out[:, :-1]], dim=1)  # t takes t-1's output
         need, rows = _teacher_rows(selections)  # need == mask (step 0 selects all of it)
-        groups, used = [], []
+        groups = []
         for j, (step_out, sel, step_rows) in enumerate(zip(outputs, selections, rows)):
-            if len(step_rows):
-                # EagleDrafter.logits(x) == lm_head(norm(x)): the norm here, the projection in the loss.
-                h = self.drafter.norm(step_out[:, : T - 2][sel])  # (M, H)
-                groups.append(_Group(h, self.drafter.lm_head, step_rows, cfg.step_decay ** j))
-                used.append(j)
-        if groups:
-            # KL to the target's distribution restricted to the draft vocabulary and renormalised there.
-            teacher = _Teacher(hidden=target_states[need], head=lm_head, columns=draft_ids, to_label=to_draft)
-            total, table = _head_losses(groups, teacher, top_k=self.top_k, ranks=0, chunk_elements=self.chunk_elements)
-            loss = loss + total
-            self._stats(stats, used, table, [len(g.rows) for g in groups])
+            # Every step's group, empty ones too (collective safety, _zero_loss).
+            # EagleDrafter.logits(x) == lm_head(norm(x)): the norm here, the projection in the loss.
+            h = self.drafter.norm(step_out[:, : T - 2][sel])  # (M, H)
+            groups.append(_Group(h, self.drafter.lm_head, step_rows, cfg.step_decay ** j))
+        # KL to the target's distribution restricted to the draft vocabulary and renormalised there.
+        teacher = _Teacher(hidden=target_states[need], head=lm_head, columns=draft_ids, to_label=to_draft)
+        total, table = _head_losses(groups, teacher, top_k=self.top_k, ranks=0, chunk_elements=self.chunk_elements)
+        loss = loss + total
+        self._stats(stats, list(range(K)), table, [len(g.rows) for g in groups])
         return loss, stats
 
     def _stats(self, stats, steps: list[int], table: torch.Tensor, tokens: list[int]) -> None:
