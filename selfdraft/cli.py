@@ -159,17 +159,25 @@ def _run_train(args) -> int:
 
 
 def _add_features(sub) -> None:
-    p = sub.add_parser("features", help="precompute a run's target features to a sharded on-disk cache",
+    p = sub.add_parser("features", help="precompute a run's target features to a sharded on-disk cache (one process; "
+                       "use `accelerate launch -m selfdraft.features` for several)",
                        description="Run the frozen target once over a run's data and store the hidden states its "
                        "drafter trains on (safetensors shards; rerun to resume). Train from them with "
-                       "train.features=DIR: the same batches as computing them online, without the target's forward.")
+                       "train.features=DIR: the same batches as computing them online, without the target's forward. "
+                       "`accelerate launch [--num_processes N ...] -m selfdraft.features` takes the same arguments and "
+                       "shares the shards among the processes; the files do not depend on how many wrote them, and "
+                       "any number of processes resumes an interrupted cache.")
     p.add_argument("--config", required=True, help="the run config (a YAML file or a preset name) the cache is for")
     p.add_argument("--out", default=None, help="cache folder (default: the run folder's features/)")
     p.add_argument("--max-gb", type=float, default=20.0, help="refuse to start when the cache would be larger (default 20)")
     p.add_argument("--dtype", default="auto", help="auto (the target's dtype: bit-identical batches), float32, bfloat16")
     p.add_argument("--steps", type=_positive_int, default=None,
                    help="cache only the training examples the first N optimizer steps visit (default: all)")
-    p.add_argument("--processes", type=_positive_int, default=1, help="processes the run will train with (sets the visit order)")
+    p.add_argument("--processes", type=_positive_int, default=1,
+                   help="processes the run will train with (sets the visit order that --steps covers; not the processes "
+                   "that write the cache)")
+    p.add_argument("--shard-tokens", type=_positive_int, default=None,
+                   help="tokens per shard, the unit of resumption and of sharing among processes (default 65536)")
     p.add_argument("--layers", default=None, help="comma-separated hidden_states indices (default: those the run's drafter needs)")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the run config, as for `selfdraft train`")
     p.set_defaults(func=_run_features)
@@ -185,8 +193,10 @@ def _run_features(args) -> int:
         raise SelfdraftError(f"--layers {args.layers!r}: give comma-separated integers, e.g. 2,15,27,30") from None
     config = load_run_config(args.config, args.overrides)
     out = write_features(config, args.out, max_gb=args.max_gb, dtype=args.dtype, steps=args.steps,
-                         processes=args.processes, layers=layers)
-    print(f"wrote target features to {out}; train from them with train.features={out}")
+                         processes=args.processes, layers=layers,
+                         **({"shard_tokens": args.shard_tokens} if args.shard_tokens else {}))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"wrote target features to {out}; train from them with train.features={out}")
     return 0
 
 

@@ -264,31 +264,65 @@ def _killed_when_a_checkpoint_appears(args, env_extra, cwd, ckpt_root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
-def test_deepspeed_zero3_equals_one_process_and_resumes_after_a_kill(tiny_target, tmp_path, kind):
-    """ZeRO-3 on 2 CPU processes (gloo): the target created partitioned, every process running the
-    same forwards (evaluation included), a run killed with SIGKILL and resumed equals the uninterrupted
-    ZeRO-3 run bit for bit, and both equal one process accumulating the same batches (to float
+def test_more_processes_than_conversations_is_a_clear_error(tiny_target, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    accelerate = shutil.which("accelerate", path=str(pathlib.Path(sys.executable).parent))
+    proc = subprocess.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "selfdraft.train", "--config",
+                           "smoke_cpu", *_overrides(tiny_target, tmp_path / "run"), "data.max_conversations=2",
+                           "data.eval_fraction=0.5", "train.dist_timeout_minutes=2"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "2 processes x train.micro_batch_size 1 need at least 2 training conversations, the split has 1" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+SHARDED = {
+    "zero3": ["--config_file", str(REPO / "configs" / "accelerate" / "deepspeed_zero3.yaml")],
+    # The GPU config, on 2 CPU processes in fp32 (train/loop.py switches accelerate to FSDP2 over gloo).
+    "fsdp": ["--config_file", str(REPO / "configs" / "accelerate" / "fsdp.yaml"), "--num_processes", "2",
+             "--mixed_precision", "no"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,kind", [("zero3", "medusa"), ("zero3", "medusa2"), ("zero3", "eagle3"),
+                                           ("fsdp", "medusa"), ("fsdp", "eagle3")])
+def test_sharded_training_equals_one_process_and_resumes_after_a_kill(tiny_target, tmp_path, strategy, kind):
+    """DeepSpeed ZeRO-3 and FSDP2 on 2 CPU processes (gloo), the target sharded (ZeRO-3: created
+    partitioned; FSDP: one unit per decoder layer, loaded by local rank 0 and broadcast in shards), every
+    process running the same forwards (evaluation included): a run killed with SIGKILL and resumed equals
+    the uninterrupted run bit for bit, and both equal one process accumulating the same batches (to float
     tolerance: 2 processes sum the gradients in another order)."""
-    config = ["--config_file", str(REPO / "configs" / "accelerate" / "deepspeed_zero3.yaml"), "-m", "selfdraft.train",
-              "--config", "smoke_cpu"]
-    run = [f"drafter.kind={kind}", "train.max_steps=40", "train.save_every=2", "train.eval_every=20",
-           "train.dist_timeout_minutes=5"]
+    config = [*SHARDED[strategy], "-m", "selfdraft.train", "--config", "smoke_cpu"]
+    drafter = ["drafter.kind=medusa", "drafter.medusa.lora.rank=4"] if kind == "medusa2" else [f"drafter.kind={kind}"]
+    run = [*drafter, "train.max_steps=40", "train.save_every=2", "train.eval_every=20", "train.dist_timeout_minutes=5"]
     whole = _launch([*config, *_overrides(tiny_target, tmp_path / "whole"), *run], {}, tmp_path)
-    assert "ZeRO-3 created the target partitioned: this process holds" in whole.stderr
+    if strategy == "zero3":
+        assert "ZeRO-3 created the target partitioned: this process holds" in whole.stderr
+    else:
+        assert "FSDP2 over gloo" in whole.stderr
     killed = tmp_path / "killed"
     step = _killed_when_a_checkpoint_appears([*config, *_overrides(tiny_target, killed), *run], {}, tmp_path,
                                              killed / "checkpoints")
     assert 2 <= step < 40
     resumed = _launch([*config, "--resume", *_overrides(tiny_target, killed), *run], {}, tmp_path)
-    assert f"resuming from" in resumed.stdout + resumed.stderr
+    assert "resuming from" in resumed.stdout + resumed.stderr
     a = ckpt.load_tree(ckpt.latest_checkpoint(tmp_path / "whole" / "checkpoints"), "trainable")
     b = ckpt.load_tree(ckpt.latest_checkpoint(killed / "checkpoints"), "trainable")
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a), f"killed at step {step}"
-    assert (killed / "drafter").is_dir()
+    assert (killed / "drafter").is_dir() and (kind != "medusa2" or (killed / "drafter-target").is_dir())
     single = train(load_run_config("smoke_cpu", [*_overrides(tiny_target, tmp_path / "one"), *run, "train.grad_accum=2"]))
     for name, value in single.objective.trainable_state_dict().items():
         torch.testing.assert_close(a[name], value, rtol=1e-4, atol=1e-5)
+    if kind == "medusa2":  # the LoRA-merged target, gathered from the shards, as one process writes it
+        from safetensors.torch import load_file
+
+        merged, reference = (load_file(d / "drafter-target" / "model.safetensors") for d in (killed, tmp_path / "one"))
+        assert set(merged) == set(reference)
+        for name in reference:
+            torch.testing.assert_close(merged[name], reference[name], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.embedded

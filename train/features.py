@@ -19,7 +19,14 @@ Layout of a cache folder::
 The plan (which examples go in which shard) is fixed before the first shard is written; shards
 are written atomically, one at a time, so a rerun with the same settings skips the finished ones.
 With ``--steps N`` only the training examples that the first N optimizer steps visit are cached
-(the data order is a pure function of the seed, see ``loop.stream_index``).
+(the data order is a pure function of the seed, see ``loop.stream_index``); ``--processes P`` is the
+process count of the run that will train from the cache, since the visit order depends on it.
+
+Several processes write one cache together (``accelerate launch -m selfdraft.features ...``): all
+make the same plan and size check, the main process writes ``features.json``, and process r of W
+writes the unfinished shards r, r + W, ... The layout depends only on the settings, not on W, so the
+files are the same whichever number of processes wrote them, and any number resumes an
+interrupted write.
 """
 
 from __future__ import annotations
@@ -141,8 +148,15 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     ``features/``); see the module docstring. ``steps`` limits the training split to the examples
     the first ``steps`` optimizer steps visit with ``processes`` processes. Raises before writing
     anything when the cache would take more than ``max_gb`` GB or more than the free disk space.
-    ``stop_after_shards`` stops early (as an interruption would), for tests."""
+    ``stop_after_shards`` stops this process after that many shards (as an interruption would), for tests.
+
+    Under ``accelerate launch`` the processes share the unfinished shards; every check before the
+    first write runs on all of them alike, so an error stops every process rather than leaving some
+    waiting for the others."""
+    import datetime
+
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
@@ -152,8 +166,20 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     t = config.train
     run_dir = pathlib.Path(t.output_dir)
     out = pathlib.Path(out) if out is not None else run_dir / "features"
+    if t.num_threads:  # as the run computes its online features
+        torch.set_num_threads(t.num_threads)
+    # Several processes without GPUs talk over gloo; every wait gives up after train.dist_timeout_minutes.
+    handlers = []
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        handlers.append(InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=t.dist_timeout_minutes),
+                                               **({} if torch.cuda.is_available() else {"backend": "gloo"})))
     # The run's autocast too: its online features are computed under it.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision,
+                              kwargs_handlers=handlers)
+    main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
+    # A built-in target is converted once per node.
+    with accelerator.local_main_process_first():
+        target_folder(config.target.spec)
     # The plan and its size come from the config, the tokenizer and the rendered data: the weights are
     # loaded only once the cache is known to fit.
     tokenizer, identity = load_target_tokenizer(config.target.spec, trust_remote_code=config.target.trust_remote_code)
@@ -193,10 +219,13 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     todo_tokens = sum(len(splits[name][0][i][0]) for name, s in todo for i in plan[name][s])
     total_gb, todo_gb = sum(tokens.values()) * per_token / 1e9, todo_tokens * per_token / 1e9
     existing = next(p for p in (out, *out.absolute().parents) if p.exists())  # the folder may not exist yet
-    free_gb = shutil.disk_usage(existing).free / 1e9
-    print(f"feature cache {out} for {identity.name} ({num_layers} layers, hidden {hidden}): {len(train_idx)} train + "
-          f"{len(eval_data)} eval conversations, {sum(tokens.values())} tokens x {len(layers)} layers {layers} x "
-          f"{hidden} in {key['dtype']}: {total_gb:.2f} GB ({todo_gb:.2f} GB left to write, {free_gb:.1f} GB free)")
+    # The main process's reading for all: processes reading at different moments could decide differently.
+    free_gb = broadcast_object_list([shutil.disk_usage(existing).free / 1e9])[0]
+    if main:
+        print(f"feature cache {out} for {identity.name} ({num_layers} layers, hidden {hidden}): {len(train_idx)} train + "
+              f"{len(eval_data)} eval conversations, {sum(tokens.values())} tokens x {len(layers)} layers {layers} x "
+              f"{hidden} in {key['dtype']}: {total_gb:.2f} GB ({todo_gb:.2f} GB left to write, {free_gb:.1f} GB free); "
+              f"{len(todo)} of {len(shard_path)} shards to write by {world} process{'es' if world > 1 else ''}")
     if total_gb > max_gb or todo_gb > free_gb:
         folder = target_folder(config.target.spec)
         online = _online_cost(folder, tokens["train"], identity)
@@ -214,13 +243,18 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     if target.identity != identity or target.model.dtype != target_dtype:
         raise SelfdraftError(f"target {config.target.spec} loaded as {target.identity} in {target.model.dtype}, "
                              f"planned as {identity} in {target_dtype}")
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(key), encoding="utf-8")
-    os.replace(tmp, manifest)
-    progress = tqdm(total=todo_tokens, desc="target features", unit="tok", unit_scale=True)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(key), encoding="utf-8")
+        os.replace(tmp, manifest)
+    accelerator.wait_for_everyone()
+    # Every process computed the same todo before any shard was written; each takes every world-th.
+    mine = todo[rank::world]
+    progress = tqdm(total=sum(len(splits[name][0][i][0]) for name, s in mine for i in plan[name][s]),
+                    desc="target features", unit="tok", unit_scale=True, disable=not main)
     device = accelerator.device
-    for written, (name, s) in enumerate(todo):
+    for written, (name, s) in enumerate(mine):
         if stop_after_shards is not None and written >= stop_after_shards:
             break
         data = splits[name][0]
@@ -239,6 +273,8 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
         as_if_created(part)
         os.replace(part, path)
     progress.close()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
     return out
 
 
@@ -297,7 +333,9 @@ class FeatureCache:
             cov = self.key["coverage"]
             raise SelfdraftError(f"train.features: {len(absent)} {split} examples this run visits are not in {self.folder} "
                                  f"(it covers {cov['steps'] or 'all'} steps of global batch {cov['global_batch']}, seed "
-                                 f"{cov['seed']}): rerun `selfdraft features` with --steps covering train.max_steps")
+                                 f"{cov['seed']}): rerun `selfdraft features` with --steps covering train.max_steps and --processes "
+                                 "equal to the run's process count (the global batch, and so the visit order, "
+                                 "depends on it)")
 
     def get(self, split: str, index: int) -> torch.Tensor:
         """(tokens, layers, H) features of example ``index`` of ``split``, the run's layers in order."""

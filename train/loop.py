@@ -234,9 +234,10 @@ def evaluation_record(last_eval: dict[str, float], step: int, top_k: int) -> dic
 
 
 def export_drafter(objective, config: RunConfig, target, rank_acc: torch.Tensor | None, out: pathlib.Path,
-                   evaluation: dict[str, Any] | None = None) -> pathlib.Path:
+                   evaluation: dict[str, Any] | None = None, state: dict[str, torch.Tensor] | None = None) -> pathlib.Path:
     """Write the native drafter folder (and, in Medusa-2, the LoRA-merged target next to it);
-    ``evaluation`` (see :func:`evaluation_record`) goes into the record for model cards."""
+    ``evaluation`` (see :func:`evaluation_record`) goes into the record for model cards. ``state``: the
+    trained tensors in full when the objective's own are shards (FSDP)."""
     from selfdraft.heads.io import DrafterRecord, medusa_dims, save_drafter
     from selfdraft.heads.target import TargetIdentity, tokenizer_fingerprint
     from selfdraft.inference.medusa import CPU_CHOICES, sparse_tree
@@ -244,11 +245,12 @@ def export_drafter(objective, config: RunConfig, target, rank_acc: torch.Tensor 
     identity = target.identity
     if config.drafter.kind in ("eagle", "eagle3"):
         e = config.drafter.eagle
-        record = DrafterRecord(kind=config.drafter.kind, dims=objective.drafter.dims, target=identity,
+        drafter = objective.drafter_module(state)
+        record = DrafterRecord(kind=config.drafter.kind, dims=drafter.dims, target=identity,
                                decode={"tree": {"depth": e.tree_depth, "top_k": e.tree_top_k, "max_nodes": e.tree_nodes}},
                                run_config=to_dict(config), evaluation=evaluation)
-        return save_drafter(out, objective.drafter, record)
-    heads = objective.heads
+        return save_drafter(out, drafter, record)
+    heads = objective.drafter_module(state)
     if objective.lora:
         merged_dir = out.parent / f"{out.name}-target"
         merged = objective.merged_target()
@@ -295,10 +297,29 @@ def _make_accelerator(config: RunConfig, out: pathlib.Path):
         handlers.append(InitProcessGroupKwargs(timeout=timeout, **({} if torch.cuda.is_available() else {"backend": "gloo"})))
     if t.report_to == "wandb":
         os.environ.setdefault("WANDB_MODE", t.wandb_mode)
+    # accelerate (1.15) selects FSDP only on accelerators: launched with an FSDP config on CPUs its
+    # processes would run unsharded and unsynchronised. Run them as CPU processes (gloo), then switch
+    # the state to FSDP, so that prepare() shards with FSDP2 exactly as it does on GPUs.
+    fsdp_on_cpu = launched and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not torch.cuda.is_available()
     # train.mixed_precision unset: accelerate's own setting (its config file / launch flag, else "no").
     accelerator = Accelerator(mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum,
                               log_with="wandb" if t.report_to == "wandb" else None, project_dir=str(out),
-                              kwargs_handlers=handlers)
+                              kwargs_handlers=handlers, **({"cpu": True} if fsdp_on_cpu else {}))
+    if fsdp_on_cpu:
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables
+        if plugin.fsdp_version != 2:
+            raise SelfdraftError("FSDP on CPUs runs FSDP2 only: set fsdp_version: 2 in the accelerate config")
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState syncs it
+        if accelerator.is_main_process:
+            print("selfdraft: accelerate's FSDP config on CPUs: FSDP2 over gloo", file=sys.stderr, flush=True)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and accelerator.distributed_type.name != "DEEPSPEED":
+        raise SelfdraftError("accelerate was launched with a DeepSpeed config but runs without DeepSpeed (ACCELERATE_USE_CPU "
+                             "or --cpu turns it off): unset it; on CPUs set DS_ACCELERATOR=cpu instead")
     if accelerator.is_main_process:
         source = "train.mixed_precision" if t.mixed_precision is not None else "accelerate's config"
         print(f"selfdraft: mixed precision {accelerator.mixed_precision} (from {source}) on {accelerator.device}",
@@ -321,6 +342,10 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
         torch.set_num_threads(t.num_threads)
     accelerator = _make_accelerator(config, out)
     world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
+    if _fsdp(accelerator) and config.drafter.kind == "medusa" and config.drafter.medusa.lora.rank > 0:
+        raise SelfdraftError("Medusa-2 (LoRA on the target) does not train under FSDP here: its export merges the "
+                             "adapters into a whole target. Use DeepSpeed ZeRO-3 (configs/accelerate/deepspeed_zero3.yaml), "
+                             "which shards the target and is tested with it, or Medusa-1 (drafter.medusa.lora.rank=0)")
 
     # Resume point, decided before anything is written.
     resume_from: pathlib.Path | None = None
@@ -350,8 +375,11 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     # Every rank loads at once. Under ZeRO-3 the target is created partitioned (deepspeed.zero.Init,
     # whatever zero3_init_flag says): each rank keeps its shard of every weight, never the whole model,
     # and the loading collectives need all ranks.
+    # Under FSDP it stays in CPU memory until prepare() shards it onto the device (with accelerate's
+    # fsdp_cpu_ram_efficient_loading, only local rank 0 reads the weights; the others hold it on meta).
     with _partitioned_creation(accelerator):
-        target = load_target(config.target.spec, dtype=config.target.dtype, device=str(accelerator.device),
+        target = load_target(config.target.spec, dtype=config.target.dtype,
+                             device="cpu" if _fsdp(accelerator) else str(accelerator.device),
                              trust_remote_code=config.target.trust_remote_code)
     if target.tokenizer is None:
         raise SelfdraftError(f"target {config.target.spec} has no tokenizer: training needs its chat template")
@@ -364,9 +392,19 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     train_data, eval_data = prepare_data(config, target.tokenizer, accelerator)
     if not eval_data:
         raise SelfdraftError("the held-out split is empty: raise data.eval_fraction or give more conversations")
+    if len(train_data) < world * t.micro_batch_size:  # every process sees the same split: all raise
+        raise SelfdraftError(f"{world} processes x train.micro_batch_size {t.micro_batch_size} need at least "
+                             f"{world * t.micro_batch_size} training conversations, the split has {len(train_data)}: "
+                             "launch fewer processes or give more data (data.max_conversations)")
 
     objective = build_objective(config, target.model, train_data)
-    objective.to(accelerator.device)
+    if _fsdp(accelerator):
+        # Auto-wrap: each of the target's decoder layers is an FSDP unit. The root unit holds the drafter
+        # with the target's embedding, final norm and LM head, which the losses read outside any layer's
+        # forward (a drafter layer of the target's class is a unit of its own, used in its forward only).
+        objective._no_split_modules = list(getattr(target.model, "_no_split_modules", None) or [])
+    else:
+        objective.to(accelerator.device)
     cache = None
     if t.features:
         from selfdraft.train.features import open_feature_cache
@@ -377,16 +415,24 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
         cache.check_covers("eval", range(len(eval_data)))
         if main:
             print(f"streaming the target's features from {t.features}")
-    params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds = accelerator.state.deepspeed_plugin.deepspeed_config
         ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
         ds["gradient_clipping"] = t.max_grad_norm
-    model, optimizer = accelerator.prepare(objective, optimizer)
+    with _persistent_buffers_hidden(accelerator, objective):
+        model, optimizer = accelerator.prepare(objective, optimizer)
     unwrapped = accelerator.unwrap_model(model)
+    params = [p for p in model.parameters() if p.requires_grad]  # after prepare: FSDP2 replaces them with DTensors
+    if _fsdp(accelerator) and main:
+        from torch.distributed.tensor import DTensor
+
+        weights = list(unwrapped.target.parameters())
+        held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in weights)
+        print(f"selfdraft: FSDP sharded the target: this process holds {held:,} of its {sum(p.numel() for p in weights):,} "
+              "parameters", file=sys.stderr, flush=True)
 
     start_step, last_eval, rank_acc = 0, {}, None
     if resume_from is not None:
@@ -400,7 +446,7 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
                     part.setdefault("loss_scaler", model.optimizer.loss_scaler)
                 model.optimizer.load_state_dict(parts, load_from_fp32_weights=True)
             else:
-                optimizer.load_state_dict(ckpt.load_tree(resume_from, "optimizer"))
+                _load_optimizer_state(accelerator, model, optimizer, ckpt.load_tree(resume_from, "optimizer"))
             ckpt.set_rng_state(ckpt.load_tree(resume_from, f"rng-rank{rank}"))
         except SelfdraftError as err:
             others = [str(p) for p in ckpt.list_checkpoints(ckpt_root) if p != resume_from]
@@ -424,12 +470,12 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
             shutil.rmtree(work, ignore_errors=True)
             work.mkdir(parents=True)
         accelerator.wait_for_everyone()
-        with _full_parameters(accelerator, unwrapped):
-            trainable = {k: v.clone() for k, v in unwrapped.trainable_state_dict().items()}
+        trainable = _trainable_state(accelerator, unwrapped)
+        optimizer_state = None if sharded_optimizer else _optimizer_state(accelerator, model, optimizer)
         if main:
             ckpt.save_tree(work, "trainable", trainable)
-            if not sharded_optimizer:
-                ckpt.save_tree(work, "optimizer", optimizer.state_dict())
+            if optimizer_state is not None:
+                ckpt.save_tree(work, "optimizer", optimizer_state)
         if sharded_optimizer:
             ckpt.save_tree(work, f"optimizer-rank{rank}", _zero_state_dict(optimizer))
         ckpt.save_tree(work, f"rng-rank{rank}", ckpt.rng_state())
@@ -470,8 +516,7 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
                 accelerator.backward(loss)
                 grad_norm = None
                 if accelerator.sync_gradients and t.max_grad_norm > 0:
-                    grad_norm = accelerator.clip_grad_norm_(params if accelerator.distributed_type != DistributedType.DEEPSPEED
-                                                            else model.parameters(), t.max_grad_norm)
+                    grad_norm = accelerator.clip_grad_norm_(params, t.max_grad_norm)
                 if grad_norm is not None and not math.isfinite(float(grad_norm)):
                     raise TrainingDiverged(f"the gradient norm became {float(grad_norm)} at step {step + 1}; stopped "
                                            f"without saving. Last good checkpoint: {ckpt.latest_checkpoint(ckpt_root) or 'none yet'}")
@@ -507,10 +552,13 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     progress.close()
 
     finished = end == t.max_steps
-    with _full_parameters(accelerator, unwrapped):
-        if finished and main:
-            evaluation = evaluation_record(last_eval, end, t.top_k)
-            print(f"wrote the drafter to {export_drafter(unwrapped, config, target, rank_acc, out / 'drafter', evaluation)}")
+    if finished:
+        state = _trainable_state(accelerator, unwrapped)  # all processes: a collective under ZeRO-3 and FSDP
+        with _full_parameters(accelerator, unwrapped):  # Medusa-2 under ZeRO-3 merges the gathered LoRA weights
+            if main:
+                evaluation = evaluation_record(last_eval, end, t.top_k)
+                folder = export_drafter(unwrapped, config, target, rank_acc, out / "drafter", evaluation, state)
+                print(f"wrote the drafter to {folder}")
     if main:
         from selfdraft.train.plots import plot_metrics
 
@@ -535,6 +583,95 @@ def _partitioned_creation(accelerator):
     if not _zero3(accelerator):
         return contextlib.nullcontext()
     return accelerator.state.deepspeed_plugin.zero3_init_context_manager(enable=True)
+
+
+def _fsdp(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+@contextlib.contextmanager
+def _persistent_buffers_hidden(accelerator, module):
+    """Under FSDP, present persistent buffers (EAGLE-3's vocabulary maps) as non-persistent while
+    accelerate prepares the module. Its fsdp_cpu_ram_efficient_loading broadcasts the state dict as if
+    every entry were a sharded parameter (accelerate 1.15 fsdp2_load_full_state_dict fails with "'Tensor'
+    object has no attribute 'device_mesh'"); non-persistent buffers it copies to every process itself."""
+    hidden = []
+    if _fsdp(accelerator):
+        for m in module.modules():
+            for name in m._buffers:
+                if m._buffers[name] is not None and name not in m._non_persistent_buffers_set:
+                    m._non_persistent_buffers_set.add(name)
+                    hidden.append((m, name))
+    try:
+        yield
+    finally:
+        for m, name in hidden:
+            m._non_persistent_buffers_set.discard(name)
+
+
+def _resharded(accelerator, module) -> None:
+    """Under FSDP, put every unit back in its sharded state: the root unit stays gathered after a
+    forward without backward (evaluation), and its parameters are then not the optimizer's."""
+    if _fsdp(accelerator):
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
+def _trainable_state(accelerator, module) -> dict[str, torch.Tensor]:
+    """The trained tensors in full, on every process (a collective under ZeRO-3 and FSDP)."""
+    from torch.distributed.tensor import DTensor
+
+    _resharded(accelerator, module)
+    with _full_parameters(accelerator, module):
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v.clone()
+                 for k, v in module.trainable_state_dict().items()}
+    return state
+
+
+def _optimizer_state(accelerator, model, optimizer) -> dict:
+    """The optimizer's state to save on the main process: its own, or under FSDP its full state (every
+    process's shards gathered) keyed by parameter name. All processes call it."""
+    if not _fsdp(accelerator):
+        return optimizer.state_dict()
+    from torch.distributed.tensor import DTensor
+
+    _resharded(accelerator, model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups, state = [], {}
+    for group in optimizer.optimizer.param_groups:
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]})
+        for p in group["params"]:  # the same order on every process: full_tensor() is a collective
+            state[names[id(p)]] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+                                   if isinstance(v, torch.Tensor) else v
+                                   for k, v in optimizer.optimizer.state.get(p, {}).items()}
+    return {"param_groups": groups, "state": state}
+
+
+def _load_optimizer_state(accelerator, model, optimizer, saved: dict) -> None:
+    if not _fsdp(accelerator):
+        optimizer.load_state_dict(saved)
+        return
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    _resharded(accelerator, model)
+    params = dict(model.named_parameters())
+    groups = optimizer.optimizer.param_groups
+    if [[n for n in g["params"]] for g in saved["param_groups"]] != [[n for n, p in params.items() if any(p is q for q in g["params"])]
+                                                                     for g in groups]:
+        raise SelfdraftError("the checkpoint's optimizer holds other parameters than this run's")
+    for group, old in zip(groups, saved["param_groups"]):
+        group.update({k: v for k, v in old.items() if k != "params"})
+    for name, values in saved["state"].items():
+        p = params[name]
+        optimizer.optimizer.state[p] = {
+            k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
+            if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.shape == p.shape else v
+            for k, v in values.items()}
 
 
 def _full_parameters(accelerator, module, modify: bool = False):

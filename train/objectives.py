@@ -76,10 +76,31 @@ def _load_trainable(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
     if set(mine) != set(state) or any(mine[n].shape != state[n].shape for n in mine):
         missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
         raise SelfdraftError(f"checkpoint does not fit this run's drafter: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     with torch.no_grad():
         for n, tensor in module.state_dict(keep_vars=True).items():
             if n in state:
-                tensor.copy_(state[n])
+                value = state[n].to(dtype=tensor.dtype)
+                if isinstance(tensor, DTensor):  # FSDP2: this process's shard of the full tensor
+                    value = distribute_tensor(value.to(tensor.device), tensor.device_mesh, tensor.placements)
+                tensor.copy_(value)
+
+
+def _unshard_units(module: nn.Module) -> None:
+    """Gather the FSDP2 units inside ``module`` for this step. FSDP's auto-wrap makes a unit of every
+    module of the target's decoder-layer class, the drafter's own layer of that class included, but the
+    drafter calls that layer's parts rather than its forward, so the unit's hooks would never gather it.
+    Gathered here, it stays so until FSDP's post-backward reduces its gradients and reshards it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.unshard()
+
+
+def _subtree(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
 
 
 def _top_hits(logits: torch.Tensor, label: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,18 +329,23 @@ class MedusaObjective(nn.Module):
         if self.lora:
             from peft import LoraConfig, get_peft_model
 
-            target_model = get_peft_model(target_model, LoraConfig(
-                r=config.lora.rank, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
-                target_modules=list(config.lora.target_modules), bias="none"))
+            # Seeded here: the adapters' random start must not depend on what loading the target drew.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + 1)
+                target_model = get_peft_model(target_model, LoraConfig(
+                    r=config.lora.rank, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
+                    target_modules=list(config.lora.target_modules), bias="none"))
         else:
             target_model.requires_grad_(False)
         self.target = target_model
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, config.num_heads, config.num_layers,
-                                     own_lm_head=config.own_lm_head)
-            if config.own_lm_head:  # start every head's projection as the target's LM head (Medusa)
-                weight = target_model.get_output_embeddings().weight
+            self._heads_args = (cfg.hidden_size, cfg.vocab_size, config.num_heads, config.num_layers, config.own_lm_head)
+            self.heads = MedusaHeads(*self._heads_args)
+            weight = target_model.get_output_embeddings().weight
+            # (On meta when FSDP loads the weights on local rank 0 only; accelerate then broadcasts that
+            # rank's whole objective, these copies included.)
+            if config.own_lm_head and not weight.is_meta:  # start every head's projection as the target's LM head
                 with _gathered([weight]):
                     for head in self.heads.lm_heads:
                         head.weight.data.copy_(weight.detach().float())
@@ -331,6 +357,16 @@ class MedusaObjective(nn.Module):
         return {n: p.detach() for n, p in self.named_parameters() if p.requires_grad}
 
     load_trainable_state_dict = _load_trainable
+
+    def drafter_module(self, state: dict[str, torch.Tensor] | None = None) -> MedusaHeads:
+        """The heads; with ``state`` (full tensors, as ``trainable_state_dict`` names them, e.g. gathered
+        from FSDP shards) a new, unsharded copy holding them."""
+        if state is None:
+            return self.heads
+        with torch.random.fork_rng(devices=[]):
+            heads = MedusaHeads(*self._heads_args).float()
+        heads.load_state_dict(_subtree(state, "heads"))
+        return heads
 
     def _lm_head(self) -> nn.Module:
         return self.target.get_output_embeddings()
@@ -487,8 +523,9 @@ class EagleObjective(nn.Module):
             head_weight = target_model.get_output_embeddings().weight
             norm_weight = getattr(getattr(getattr(target_model, "model", None), "norm", None), "weight", None)
             with torch.no_grad(), _gathered([head_weight, norm_weight]):
-                self.drafter.lm_head.weight.copy_(head_weight[ids].float())
-                if norm_weight is not None:
+                if not head_weight.is_meta:  # meta: see MedusaObjective
+                    self.drafter.lm_head.weight.copy_(head_weight[ids].float())
+                if norm_weight is not None and not norm_weight.is_meta:
                     self.drafter.norm.weight.copy_(norm_weight.float())
         self.steps = 1 if kind == "eagle" else config.ttt_steps
         self.feature_layers = feature_layers(kind, text.num_hidden_layers, self.drafter.dims.get("aux_layers", ()))
@@ -502,6 +539,18 @@ class EagleObjective(nn.Module):
 
     load_trainable_state_dict = _load_trainable
 
+    def drafter_module(self, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
+        """The drafter; with ``state`` (full tensors, as ``trainable_state_dict`` names them, e.g. gathered
+        from FSDP shards) a new, unsharded copy holding them."""
+        if state is None:
+            return self.drafter
+        from selfdraft.heads.eagle import EagleDrafter
+
+        with torch.random.fork_rng(devices=[]):
+            drafter = EagleDrafter(self.drafter.dims).float()
+        drafter.load_state_dict(_subtree(state, "drafter"))
+        return drafter
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
                 features: torch.Tensor | None = None):
         from transformers import DynamicCache
@@ -510,6 +559,7 @@ class EagleObjective(nn.Module):
         if features is None:
             features = target_features(self.target, input_ids, attention_mask, self.feature_layers)
         lm_head = _linear(self.target.get_output_embeddings(), "the target's LM head")
+        _unshard_units(self.drafter)
         B, T = input_ids.shape
         L = T - 1  # pair positions t = 0..T-2: (feature at t, token t+1)
         device, dtype = input_ids.device, next(self.drafter.parameters()).dtype

@@ -1,0 +1,141 @@
+"""Peak resident memory per process: one process against 2-process DeepSpeed ZeRO-2 and ZeRO-3.
+
+    python scripts/bench_zero3_memory.py                 # a random Llama of about 1 GB (fp32)
+    python scripts/bench_zero3_memory.py --layers 4      # smaller, quicker
+
+Builds a random-weight Llama target with the embedded target's tokenizer, then trains the same short
+Medusa run four ways with ``accelerate launch``: one process; 2 processes under ZeRO-2 (each holds
+the whole target); 2 processes under ZeRO-3 with configs/accelerate/deepspeed_zero3.yaml (the target
+created partitioned, each process reading its half of every weight from the files), whose DeepSpeed
+defaults keep up to 1e9 gathered parameters alive between uses (all of a target this small); and
+ZeRO-3 with those limits set to about one decoder layer (``stage3_max_live_parameters``,
+``stage3_max_reuse_distance``, ``stage3_prefetch_bucket_size`` in a DeepSpeed config file). Each
+worker's peak resident set (VmHWM in /proc/PID/status) is read while it runs; the table prints the
+largest per launch. A benchmark, not a test: the figures depend on the machine and the allocator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def build_target(folder: pathlib.Path, layers: int, hidden: int) -> int:
+    """A random Llama with SmolLM2's tokenizer in ``folder``; returns its parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from selfdraft.heads.target import load_target_tokenizer
+
+    tokenizer, _ = load_target_tokenizer("smollm2-135m")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
+                         tie_word_embeddings=True, max_position_embeddings=2048,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def peak_rss(pid: int) -> int:
+    """VmHWM of a process in bytes, 0 once it is gone."""
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
+def launch(args: list[str], env: dict[str, str]) -> tuple[list[int], float, str]:
+    """Run ``accelerate launch ARGS``; returns (peak RSS of each worker, seconds, the output's tail)."""
+    import psutil
+
+    accelerate = shutil.which("accelerate", path=str(pathlib.Path(sys.executable).parent))
+    start = time.perf_counter()
+    peaks: dict[int, int] = {}
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([accelerate, "launch", *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    worker = "selfdraft.train" in " ".join(child.cmdline())
+                except psutil.Error:  # gone or a zombie
+                    continue
+                if worker:
+                    peaks[child.pid] = max(peaks.get(child.pid, 0), peak_rss(child.pid))
+            time.sleep(0.1)
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+    if proc.returncode != 0:
+        raise SystemExit(f"launch failed ({proc.returncode}):\n{text[-4000:]}")
+    return sorted(peaks.values()), time.perf_counter() - start, text
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=10)
+    p.add_argument("--hidden", type=int, default=1152)
+    p.add_argument("--steps", type=int, default=2)
+    args = p.parse_args()
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="zero3-memory-"))
+    try:
+        target = work / "target"
+        params = build_target(target, args.layers, args.hidden)
+        print(f"target: random Llama, {args.layers} layers, hidden {args.hidden}, {params / 1e6:.0f} M parameters, "
+              f"{params * 4 / 1e9:.2f} GB in fp32")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
+               "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+        env.pop("ACCELERATE_USE_CPU", None)  # with it, accelerate runs a DeepSpeed config as plain DDP
+        run = ["-m", "selfdraft.train", "--config", "smoke_cpu", f"target.spec={target}", "target.dtype=float32",
+               "data.max_conversations=16", "data.max_length=64", "data.eval_fraction=0.25", "train.micro_batch_size=1",
+               "train.grad_accum=1", f"train.max_steps={args.steps}", "train.eval_every=0", "train.eval_batches=1",
+               f"train.save_every={args.steps}", "train.num_threads=1", "train.dist_timeout_minutes=20"]
+        accel = REPO / "configs" / "accelerate"
+        layer = 4 * args.hidden ** 2 + 3 * args.hidden * 4 * args.hidden  # one decoder layer's parameters
+        (work / "ds.json").write_text(json.dumps({
+            "zero_optimization": {"stage": 3, "stage3_max_live_parameters": layer, "stage3_max_reuse_distance": 0,
+                                  "stage3_prefetch_bucket_size": layer // 2},
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}))
+        (work / "zero3_small.yaml").write_text(
+            "distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+            f"  deepspeed_config_file: {work / 'ds.json'}\n  zero3_init_flag: true\n"
+            "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\n")
+        ways = {
+            "1 process": ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
+            "2 processes, ZeRO-2": ["--config_file", str(accel / "deepspeed_zero2.yaml")],
+            "2 processes, ZeRO-3": ["--config_file", str(accel / "deepspeed_zero3.yaml")],
+            "2 processes, ZeRO-3, one layer live": ["--config_file", str(work / "zero3_small.yaml")],
+        }
+        rows = []
+        for name, how in ways.items():
+            peaks, seconds, text = launch([*how, *run, f"train.output_dir={work / name.replace(' ', '_')}"], env)
+            held = next((line for line in text.splitlines() if "partitioned: this process holds" in line), "")
+            rows.append((name, peaks, seconds, held))
+            print(f"{name}: peak RSS per process {', '.join(f'{b / 1e9:.2f} GB' for b in peaks)} ({seconds:.0f} s)", flush=True)
+        base = max(rows[0][1])
+        print(f"\n| launch | peak RSS, largest process | vs 1 process | wall |\n|---|---|---|---|")
+        for name, peaks, seconds, _ in rows:
+            print(f"| {name} | {max(peaks) / 1e9:.2f} GB | {max(peaks) / base:.2f}x | {seconds:.0f} s |")
+        for name, _, _, held in rows:
+            if held:
+                print(f"{name}: {held.split('selfdraft: ')[-1]}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
