@@ -100,6 +100,10 @@ def main() -> None:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
                "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
         env.pop("ACCELERATE_USE_CPU", None)  # with it, accelerate runs a DeepSpeed config as plain DDP
+        # glibc raises its mmap threshold after large frees and then keeps freed gathers in the heap: a
+        # fixed threshold returns them, so the figures count what is held, not what the allocator kept.
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+        print(f"MALLOC_MMAP_THRESHOLD_={env['MALLOC_MMAP_THRESHOLD_']}")
         run = ["-m", "selfdraft.train", "--config", "smoke_cpu", f"target.spec={target}", "target.dtype=float32",
                "data.max_conversations=16", "data.max_length=64", "data.eval_fraction=0.25", "train.micro_batch_size=1",
                "train.grad_accum=1", f"train.max_steps={args.steps}", "train.eval_every=0", "train.eval_batches=1",
