@@ -1,17 +1,17 @@
-"""Peak resident memory per process: one process against 2-process DeepSpeed ZeRO-2 and ZeRO-3.
+"""Peak resident memory per process: one process against DeepSpeed ZeRO-2 and ZeRO-3.
 
     python scripts/bench_zero3_memory.py                 # a random Llama of about 1 GB (fp32)
     python scripts/bench_zero3_memory.py --layers 4      # smaller, quicker
 
 Builds a random-weight Llama target with the embedded target's tokenizer, then trains the same short
-Medusa run four ways with ``accelerate launch``: one process; 2 processes under ZeRO-2 (each holds
+Medusa run five ways with ``accelerate launch``: one process; 2 processes under ZeRO-2 (each holds
 the whole target); 2 processes under ZeRO-3 with configs/accelerate/deepspeed_zero3.yaml (the target
 created partitioned, each process reading its half of every weight from the files), whose DeepSpeed
 defaults keep up to 1e9 gathered parameters alive between uses (all of a target this small); and
 ZeRO-3 with those limits set to about one decoder layer (``stage3_max_live_parameters``,
-``stage3_max_reuse_distance``, ``stage3_prefetch_bucket_size`` in a DeepSpeed config file). Each
-worker's peak resident set (VmHWM in /proc/PID/status) is read while it runs; the table prints the
-largest per launch. A benchmark, not a test: the figures depend on the machine and the allocator.
+``stage3_max_reuse_distance``, ``stage3_prefetch_bucket_size`` in a DeepSpeed config file), on 2
+processes and on 4. Each worker's peak resident set (VmHWM in /proc/PID/status) is read while it
+runs; the table prints the largest per launch. A benchmark, not a test: the figures depend on the machine and the allocator.
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ def main() -> None:
             "2 processes, ZeRO-2": ["--config_file", str(accel / "deepspeed_zero2.yaml")],
             "2 processes, ZeRO-3": ["--config_file", str(accel / "deepspeed_zero3.yaml")],
             "2 processes, ZeRO-3, one layer live": ["--config_file", str(work / "zero3_small.yaml")],
+            "4 processes, ZeRO-3, one layer live": ["--config_file", str(work / "zero3_small.yaml"), "--num_processes", "4"],
         }
         rows = []
         for name, how in ways.items():
