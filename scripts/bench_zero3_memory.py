@@ -5,13 +5,13 @@
 
 Builds a random-weight Llama target with the embedded target's tokenizer, then trains the same short
 Medusa run five ways with ``accelerate launch``: one process; 2 processes under ZeRO-2 (each holds
-the whole target); 2 processes under ZeRO-3 with configs/accelerate/deepspeed_zero3.yaml (the target
-created partitioned, each process reading its half of every weight from the files), whose DeepSpeed
-defaults keep up to 1e9 gathered parameters alive between uses (all of a target this small); and
-ZeRO-3 with those limits set to about one decoder layer (``stage3_max_live_parameters``,
-``stage3_max_reuse_distance``, ``stage3_prefetch_bucket_size`` in a DeepSpeed config file), on 2
-processes and on 4. Each worker's peak resident set (VmHWM in /proc/PID/status) is read while it
-runs; the table prints the largest per launch. A benchmark, not a test: the figures depend on the machine and the allocator.
+the whole target); 2 and 4 processes under ZeRO-3 with configs/accelerate/deepspeed_zero3.yaml (the
+target created partitioned, each process reading its part of every weight from the files, at most
+two decoder layers kept gathered: train/loop.py ``_bound_live_parameters``); and 2 processes under
+ZeRO-3 with DeepSpeed's own limits (``stage3_max_live_parameters`` and ``stage3_max_reuse_distance``
+1e9, set in a DeepSpeed config file), which keep a target this small gathered whole. Each worker's
+peak resident set (VmHWM in /proc/PID/status) is read while it runs; the table prints the largest
+per launch. A benchmark, not a test: the figures depend on the machine and the allocator.
 """
 
 from __future__ import annotations
@@ -109,25 +109,24 @@ def main() -> None:
                "train.grad_accum=1", f"train.max_steps={args.steps}", "train.eval_every=0", "train.eval_batches=1",
                f"train.save_every={args.steps}", "train.num_threads=1", "train.dist_timeout_minutes=20"]
         accel = REPO / "configs" / "accelerate"
-        layer = 4 * args.hidden ** 2 + 3 * args.hidden * 4 * args.hidden  # one decoder layer's parameters
         (work / "ds.json").write_text(json.dumps({
-            "zero_optimization": {"stage": 3, "stage3_max_live_parameters": layer, "stage3_max_reuse_distance": 0,
-                                  "stage3_prefetch_bucket_size": layer // 2},
+            "zero_optimization": {"stage": 3, "stage3_max_live_parameters": int(1e9), "stage3_max_reuse_distance": int(1e9)},
             "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}))
-        (work / "zero3_small.yaml").write_text(
+        (work / "zero3_deepspeed_limits.yaml").write_text(
             "distributed_type: DEEPSPEED\ndeepspeed_config:\n"
             f"  deepspeed_config_file: {work / 'ds.json'}\n  zero3_init_flag: true\n"
             "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\n")
+        zero3 = ["--config_file", str(accel / "deepspeed_zero3.yaml")]
         ways = {
             "1 process": ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
             "2 processes, ZeRO-2": ["--config_file", str(accel / "deepspeed_zero2.yaml")],
-            "2 processes, ZeRO-3": ["--config_file", str(accel / "deepspeed_zero3.yaml")],
-            "2 processes, ZeRO-3, one layer live": ["--config_file", str(work / "zero3_small.yaml")],
-            "4 processes, ZeRO-3, one layer live": ["--config_file", str(work / "zero3_small.yaml"), "--num_processes", "4"],
+            "2 processes, ZeRO-3": zero3,
+            "4 processes, ZeRO-3": [*zero3, "--num_processes", "4"],
+            "2 processes, ZeRO-3, DeepSpeed's 1e9 live": ["--config_file", str(work / "zero3_deepspeed_limits.yaml")],
         }
         rows = []
         for name, how in ways.items():
-            peaks, seconds, text = launch([*how, *run, f"train.output_dir={work / name.replace(' ', '_')}"], env)
+            peaks, seconds, text = launch([*how, *run, f"train.output_dir={work / name.replace(' ', '_').replace(chr(39), '')}"], env)
             held = next((line for line in text.splitlines() if "partitioned: this process holds" in line), "")
             rows.append((name, peaks, seconds, held))
             print(f"{name}: peak RSS per process {', '.join(f'{b / 1e9:.2f} GB' for b in peaks)} ({seconds:.0f} s)", flush=True)

@@ -422,6 +422,8 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
         ds = accelerator.state.deepspeed_plugin.deepspeed_config
         ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
         ds["gradient_clipping"] = t.max_grad_norm
+        if _zero3(accelerator):
+            _bound_live_parameters(ds.setdefault("zero_optimization", {}), target.model, main)
     with _persistent_buffers_hidden(accelerator, objective):
         model, optimizer = accelerator.prepare(objective, optimizer)
     unwrapped = accelerator.unwrap_model(model)
@@ -575,6 +577,23 @@ def _zero3(accelerator) -> bool:
     from accelerate.utils import DistributedType
 
     return accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
+
+
+def _bound_live_parameters(zero: dict, model, announce: bool) -> None:
+    """ZeRO-3 limits a DeepSpeed config file leaves unset: at most two of the target's decoder layers
+    stay gathered between uses. DeepSpeed's default (1e9 parameters, 1e9 distance) keeps a whole
+    target of that size gathered on every process once it has run; the frozen target never needs its
+    weights again in the backward, so releasing them after each layer costs no extra gather."""
+    layers = [m for m in model.modules() if type(m).__name__ in set(getattr(model, "_no_split_modules", None) or [])]
+    if not layers:
+        return
+    layer = max(sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in m.parameters()) for m in layers)
+    set_here = {k: 2 * layer for k in ("stage3_max_live_parameters", "stage3_max_reuse_distance") if k not in zero}
+    zero.update(set_here)
+    if set_here and announce:
+        print(f"selfdraft: ZeRO-3 keeps at most {2 * layer:,} gathered parameters alive (two decoder layers; "
+              "set stage3_max_live_parameters and stage3_max_reuse_distance in a deepspeed_config_file to change it)",
+              file=sys.stderr, flush=True)
 
 
 def _partitioned_creation(accelerator):
