@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
-import math
 import os
 import pathlib
 import shutil
@@ -294,14 +293,14 @@ def _materialise_builtin(spec: BuiltinTarget, root: pathlib.Path) -> pathlib.Pat
     return final
 
 
-def _load_folder(folder: pathlib.Path, dtype: torch.dtype, trust_remote_code: bool,
+def _load_folder(folder: pathlib.Path, dtype: torch.dtype, trust_remote_code: bool, model_loader=None,
                  ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (folder / "config.json").is_file():
         raise SelfdraftError(f"{folder} is not a model folder: it has no config.json")
     try:
-        model = _load_partitioned(folder, dtype, trust_remote_code)
+        model = model_loader(folder, dtype, trust_remote_code) if model_loader is not None else None
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
                                                          trust_remote_code=trust_remote_code)
@@ -311,61 +310,6 @@ def _load_folder(folder: pathlib.Path, dtype: torch.dtype, trust_remote_code: bo
     except (OSError, ValueError) as err:
         raise SelfdraftError(f"could not load the target from {folder}: {err}") from err
     return model, tokenizer
-
-
-def _load_partitioned(folder: pathlib.Path, dtype: torch.dtype, trust_remote_code: bool) -> PreTrainedModel | None:
-    """Under DeepSpeed ZeRO-3 (transformers' HfDeepSpeedConfig alive, as accelerate sets it for ZeRO-3
-    loading): the model created partitioned (deepspeed.zero.Init) and each process reading only its
-    part of every weight from the safetensors files. transformers' own ZeRO-3 loading reads the whole
-    checkpoint into memory on rank 0. None when ZeRO-3 is off or the files do not name every weight
-    (transformers then loads it).
-
-    A partition is DeepSpeed's: weight w of n elements, flattened, padded to world x ceil(n / world);
-    process r holds elements [r p, (r + 1) p) of that (deepspeed/runtime/zero/partition_parameters.py,
-    ``_partition_param``, in deepspeed 0.19.8)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not is_deepspeed_zero3_enabled() or not files:
-        return None
-    import deepspeed
-    from safetensors import safe_open
-
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    from transformers.initialization import no_init_weights
-
-    # Made partitioned and left uninitialised (transformers would gather every weight at once to
-    # initialise it): the files fill each partition below.
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa",
-                                                 trust_remote_code=trust_remote_code)
-    model.tie_weights()  # no_init_weights skips post_init's tying too
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    where = {k: h for h in handles for k in h.keys()}
-    params = dict(model.named_parameters())  # tied weights once
-    if not set(params) <= set(where):
-        missing = sorted(set(params) - set(where))
-        print(f"selfdraft: {folder}'s files do not name {len(missing)} of the model's weights ({', '.join(missing[:3])}): "
-              "transformers loads it instead, reading the whole checkpoint on rank 0", file=sys.stderr, flush=True)
-        return None
-    rank = deepspeed.comm.get_rank() if deepspeed.comm.is_initialized() else 0
-    with torch.no_grad():
-        for name, param in params.items():
-            part = param.ds_tensor  # (p,) this process's partition
-            p, n = part.numel(), param.ds_numel
-            start, end = min(rank * p, n), min((rank + 1) * p, n)
-            view = where[name].get_slice(name)
-            shape = view.get_shape()
-            row = math.prod(shape[1:]) if len(shape) > 1 else 1
-            if tuple(shape) != tuple(param.ds_shape):
-                raise SelfdraftError(f"{folder}: {name} has shape {tuple(shape)} in the files, {tuple(param.ds_shape)} in the model")
-            part.zero_()
-            if end > start:  # the rows covering [start, end), flattened and cut
-                first, last = start // row, -(-end // row)
-                flat = view[first:last].reshape(-1)[start - first * row: end - first * row]
-                part[: end - start].copy_(flat.to(part.dtype))
-    return model
 
 
 def _load_hub(name: str, dtype: torch.dtype, trust_remote_code: bool,
@@ -439,23 +383,26 @@ def load_target_tokenizer(spec: str, *, trust_remote_code: bool = False, cache_d
 
 
 def load_target(spec: str, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
-                trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None) -> Target:
+                trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None,
+                model_loader=None) -> Target:
     """Load a frozen target from a built-in name, a local HF model folder or a hub name, in ``dtype``
     (``auto``: bfloat16 on a GPU, float32 on a CPU; see :func:`resolve_dtype`).
 
     The model uses sdpa attention (custom 4D float masks work), is in eval mode, has no parameter
     requiring grad, and lies on ``device`` in ``dtype``; on a CPU its linear layers take the few-row
     float32 path of :mod:`selfdraft.heads.small_batch`. ``cache_dir`` is the root of the selfdraft
-    cache (default ``$SELFDRAFT_CACHE`` or ``~/.cache/selfdraft``).
+    cache (default ``$SELFDRAFT_CACHE`` or ``~/.cache/selfdraft``). ``model_loader(folder, dtype,
+    trust_remote_code)`` builds the model of a folder target in place of transformers' from_pretrained
+    when it returns one (training's partitioned ZeRO-3 loading, ``train/partitioned.py``).
     """
     dev = _resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path = pathlib.Path(str(spec)).expanduser()
     if str(spec) in BUILTIN_TARGETS:
         folder = _materialise_builtin(BUILTIN_TARGETS[str(spec)], target_cache_dir(cache_dir))
-        model, tokenizer = _load_folder(folder, torch_dtype, trust_remote_code=False)
+        model, tokenizer = _load_folder(folder, torch_dtype, trust_remote_code=False, model_loader=model_loader)
     elif path.is_dir():
-        model, tokenizer = _load_folder(path, torch_dtype, trust_remote_code)
+        model, tokenizer = _load_folder(path, torch_dtype, trust_remote_code, model_loader=model_loader)
     elif path.exists():
         raise SelfdraftError(f"{spec} is a file; give a model folder (with config.json) or one of the "
                              f"built-in targets: {', '.join(BUILTIN_TARGETS)}")

@@ -333,6 +333,7 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     from accelerate.utils import DistributedType, set_seed
 
     from selfdraft.heads.target import load_target, target_folder
+    from selfdraft.train.partitioned import load_partitioned
     from selfdraft.train.objectives import build_objective, summarise
 
     t = config.train
@@ -380,7 +381,8 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     with _partitioned_creation(accelerator):
         target = load_target(config.target.spec, dtype=config.target.dtype,
                              device="cpu" if _fsdp(accelerator) else str(accelerator.device),
-                             trust_remote_code=config.target.trust_remote_code)
+                             trust_remote_code=config.target.trust_remote_code,
+                             model_loader=load_partitioned if _zero3(accelerator) else None)
     if target.tokenizer is None:
         raise SelfdraftError(f"target {config.target.spec} has no tokenizer: training needs its chat template")
     if _zero3(accelerator) and main:
