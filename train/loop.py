@@ -417,7 +417,8 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
         cache.check_covers("eval", range(len(eval_data)))
         if main:
             print(f"streaming the target's features from {t.features}")
-    optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=t.lr,
+                                  betas=tuple(t.betas), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -558,7 +559,8 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     finished = end == t.max_steps
     if finished:
         state = _trainable_state(accelerator, unwrapped)  # all processes: a collective under ZeRO-3 and FSDP
-        with _full_parameters(accelerator, unwrapped):  # Medusa-2 under ZeRO-3 merges the gathered LoRA weights
+        # Medusa-2 merges its LoRA weights into the target: under ZeRO-3 they must be gathered for that.
+        with _full_parameters(accelerator, unwrapped) if unwrapped.lora else contextlib.nullcontext():
             if main:
                 evaluation = evaluation_record(last_eval, end, t.top_k)
                 folder = export_drafter(unwrapped, config, target, rank_acc, out / "drafter", evaluation, state)
@@ -681,9 +683,9 @@ def _load_optimizer_state(accelerator, model, optimizer, saved: dict) -> None:
 
     _resharded(accelerator, model)
     params = dict(model.named_parameters())
+    names = {id(p): n for n, p in params.items()}
     groups = optimizer.optimizer.param_groups
-    if [[n for n in g["params"]] for g in saved["param_groups"]] != [[n for n, p in params.items() if any(p is q for q in g["params"])]
-                                                                     for g in groups]:
+    if [g["params"] for g in saved["param_groups"]] != [[names[id(p)] for p in g["params"]] for g in groups]:
         raise SelfdraftError("the checkpoint's optimizer holds other parameters than this run's")
     for group, old in zip(groups, saved["param_groups"]):
         group.update({k: v for k, v in old.items() if k != "params"})

@@ -392,11 +392,6 @@ class MedusaObjective(nn.Module):
         R = cfg.tree_ranks
         device = input_ids.device
         loss = _zero_loss(self.heads)
-        stats = {
-            "head_loss": torch.zeros(K, device=device), "head_tokens": torch.zeros(K, device=device),
-            "top1": torch.zeros(K, device=device), "topk": torch.zeros(K, device=device),
-            "rank_hits": torch.zeros(K, R, device=device),
-        }
         mask = loss_mask.bool() & attention_mask.bool()
         # Head k at position t is scored at the target's position u = t+1+k: against the target's
         # distribution there (labels: target) or the data's next token, input_ids[u+1] (labels: data).
@@ -427,12 +422,8 @@ class MedusaObjective(nn.Module):
                                     chunk_elements=self.chunk_elements)
         loss = loss + total
         tokens = torch.tensor([float(len(g.rows)) for g in groups], device=device)
-        with torch.no_grad():
-            stats["head_loss"] = table[:, 0] * tokens
-            stats["head_tokens"] = tokens
-            stats["top1"], stats["topk"] = table[:, 1], table[:, 2]
-            if not self.training:
-                stats["rank_hits"] = table[:, 3:]
+        stats = {"head_loss": table[:, 0] * tokens, "head_tokens": tokens, "top1": table[:, 1], "topk": table[:, 2],
+                 "rank_hits": torch.zeros(K, R, device=device) if self.training else table[:, 3:]}
         if self.lora and cfg.lora.lm_loss_weight > 0:
             lm_loss, lm_tokens = self._lm_loss(input_ids, attention_mask, mask, hidden, lm_head)
             loss = loss + cfg.lora.lm_loss_weight * lm_loss
