@@ -141,10 +141,12 @@ class TrainConfig:
     """How long a process waits in a collective (a barrier, a gradient all-reduce) for the others before
     the run fails instead of hanging: raise it where one rank renders data or loads a large target while
     the others wait (multi-node runs), lower it to find a hang sooner."""
-    mixed_precision: Literal["no", "bf16", "fp16"] | None = None
+    mixed_precision: Literal["no", "bf16", "fp16", "auto"] | None = None
     """Autocast through accelerate: unset (null) takes accelerate's own setting (its config file or
     ``accelerate launch --mixed_precision``; ``no`` outside a launch); a value here wins and is logged.
-    bf16 only helps where the hardware has bf16 matmuls."""
+    bf16 only helps where the hardware has bf16 matmuls: ``auto`` picks bf16 on a GPU that has them and
+    on a CPU with AVX-512 BF16 or AMX (``selfdraft.machine.cpu_has_bf16``), else no autocast (an
+    AVX2-only CPU runs bf16 slower than fp32)."""
     seed: int = 0
     """Seeds the data order, the head initialisation and every RNG."""
     eval_every: int = 100
@@ -166,11 +168,24 @@ class TrainConfig:
     """torch CPU threads per process; 0 leaves torch's default."""
     features: str = ""
     """A feature cache written by ``selfdraft features`` for this run's data and target, streamed
-    instead of running the target in every step; empty computes the target's features online."""
+    instead of running the target in every step; empty computes the target's features online;
+    ``auto`` writes a cache in ``output_dir/features`` first when the run reads its conversations
+    (``data.max_conversations``) at least 1.25 times and the cache fits the disk and 20 GB, else
+    online (``selfdraft.train.budget.resolve_features`` says which and why)."""
     data_dir: str = ""
     """Where the rendered train/eval split is kept. Empty: ``output_dir/data``, on the run's (shared)
     filesystem, rendered once by the global main process. A node-local path (e.g. /local/selfdraft-data):
     rendered once per node by that node's local main process, so no node waits on another's disk."""
+    pack_tokens: int = 0
+    """Pack each micro batch's conversations into rows of at most this many tokens (first-fit
+    decreasing), with positions restarting at every conversation and attention kept within it (the
+    target's and the drafter's), so the drafter computes no padding. 0: a right-padded row per
+    conversation. The target runs each conversation unpadded either way on a CPU, and each packed row
+    on a GPU (``train.features.target_features``). At least ``data.max_length`` when set; rows never mix
+    micro batches, so the data order, the losses and the gradients are those of the unpacked batch (to
+    float rounding). It pays where conversations are much shorter than the longest of their batch; the
+    drafter's attention is dense over a row, so rows far longer than ``data.max_length`` cost more
+    than the padding they save (README, "Where a training step's time goes")."""
     render_processes: int = 1
     """Processes that render (tokenise) the conversations in parallel; the split is the same for any
     number."""
@@ -197,6 +212,8 @@ class RunConfig:
             (t.max_grad_norm >= 0, "train.max_grad_norm must be >= 0"),
             (t.dist_timeout_minutes > 0, "train.dist_timeout_minutes must be > 0"),
             (t.render_processes >= 1, "train.render_processes must be >= 1"),
+            (t.pack_tokens == 0 or t.pack_tokens >= self.data.max_length,
+             "train.pack_tokens must be 0 (no packing) or at least data.max_length (a conversation never spans two rows)"),
             (min(t.eval_every, t.eval_batches, t.save_every, t.num_threads) >= 0, "train.eval_every, eval_batches, save_every and num_threads must be >= 0"),
             (t.keep_last >= 1, "train.keep_last must be >= 1"),
             (t.log_every >= 1, "train.log_every must be >= 1"),

@@ -33,7 +33,12 @@ class DataConfig:
     max_conversations: int | None = None
     """Use at most this many conversations (after filtering), None for all."""
     eval_fraction: float = 0.02
-    """Share of conversations held out for evaluation (at least one)."""
+    """Share of conversations held out for evaluation (at least one); ignored with ``eval_source``."""
+    eval_source: str = ""
+    """A separate held-out source (same kinds as ``source``): every usable conversation of it is the
+    held-out split, and every conversation of ``source`` trains. Runs on different data (another
+    ``max_conversations``, self-distilled answers) are then scored on the same conversations; keep
+    them out of ``source`` yourself. Empty: hold out ``eval_fraction`` of ``source``."""
     seed: int = 0
     """Seed of the train/eval split."""
 

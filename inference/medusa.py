@@ -64,6 +64,21 @@ def sparse_tree(accuracy: torch.Tensor, budget: int) -> list[Choice]:
     return normalise_choices(chosen, heads)
 
 
+def expected_acceptance(accuracy: torch.Tensor, budget: int) -> float:
+    """The acceptance length (tokens per target forward) that per-depth rank accuracies (K, R) predict
+    for the best tree of ``budget`` nodes (:func:`sparse_tree`): 1 + the sum over its nodes of the
+    product of their path's accuracies. It treats depths as independent, as the tree choice does; an
+    EAGLE-2 dynamic tree of the same depth, top-k and node count is scored by this static one."""
+    acc = accuracy.double().tolist()
+    total = 1.0
+    for choice in sparse_tree(accuracy, budget):
+        p = 1.0
+        for depth, rank in enumerate(choice):
+            p *= acc[depth][rank]
+        total += p
+    return total
+
+
 class MedusaDrafter(Drafter):
     """Proposes the tree of ``choices`` filled with the heads' top-ranked tokens.
 

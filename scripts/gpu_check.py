@@ -239,9 +239,10 @@ class Check:
             entry["gpu"] = _gpu(self.device)
             entry["bf16_supported"] = torch.cuda.is_bf16_supported()
         else:
-            from selfdraft.inference.bench.run import _cpu_flags, _cpu_name
+            from selfdraft.inference.bench.run import _cpu_name
+            from selfdraft.machine import cpu_flags
 
-            entry.update(cpu=_cpu_name(), cpu_flags=_cpu_flags(), threads=torch.get_num_threads())
+            entry.update(cpu=_cpu_name(), cpu_flags=cpu_flags(), threads=torch.get_num_threads())
         log(json.dumps(entry))
 
     def drafters(self, target, which: set[str] | None = None) -> dict:

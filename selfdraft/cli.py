@@ -152,7 +152,10 @@ def _run_train(args) -> int:
     from selfdraft.configs.run import load_run_config
     from selfdraft.train.loop import train
 
-    result = train(load_run_config(args.config, args.overrides), resume=args.resume_from or args.resume)
+    from selfdraft.train.budget import resolve_features
+
+    config = resolve_features(load_run_config(args.config, args.overrides))  # train.features: auto
+    result = train(config, resume=args.resume_from or args.resume)
     if result.drafter_dir is not None and int(os.environ.get("RANK", "0")) == 0:
         print(f"done: {result.step} steps, {result.train_tokens_per_second:.0f} training tokens/s; drafter in {result.drafter_dir}")
     return 0

@@ -7,9 +7,11 @@ Stages, each recorded in ``OUT/stages.json`` when it finishes and skipped when t
 (an interrupted stage resumes: training from its last checkpoint):
 
 1. **train** the best drafter we have for the budget (the ``quickstart`` preset: EAGLE-3 on
-   SmolLM2-135M-Instruct and the embedded ShareGPT conversations). The first ``calibration_steps``
-   steps (inside the warm-up, so the schedule does not depend on the total yet) are timed; the run is
-   then resumed with ``max_steps`` set so that it ends within ``--budget-minutes``.
+   SmolLM2-135M-Instruct and the embedded ShareGPT conversations). ``calibration_steps`` online
+   steps are timed first (the target's forward apart); :func:`selfdraft.train.budget.plan_budget`
+   then spends ``--budget-minutes`` on online features or on a feature cache of fewer conversations
+   read for several epochs (as the recipe sweep found best, where the disk allows), and the run
+   trains that many steps, its cache written first (``train.features: auto``).
 2. **bench** it against the vanilla baseline (our loop without a drafter), prompt lookup and
    transformers' greedy and prompt-lookup decoding on a subset of MT-bench and HumanEval, greedy
    (token identity is checked), and print the table and where the report is.
@@ -21,8 +23,10 @@ Stages, each recorded in ``OUT/stages.json`` when it finishes and skipped when t
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -41,8 +45,9 @@ class QuickstartConfig:
     config: str = "quickstart"
     """The run preset or YAML file to train."""
     overrides: tuple[str, ...] = ()
-    calibration_steps: int = 5
-    """Steps timed before the step count is fixed; must not exceed the preset's warm-up."""
+    calibration_steps: int = 10
+    """Online steps timed (in a run of their own, then discarded; their median after the first) before
+    the budget is planned."""
     bench_tasks: str = "mt_bench,humaneval"
     bench_limit: int = 6
     """Prompts per task (MT-bench takes its categories in turn)."""
@@ -94,6 +99,52 @@ def measured_acceptance(results: dict, method: str) -> dict | None:
                      f"prompts: {tasks}; `selfdraft bench --methods vllm:FOLDER` measures vLLM's chain"}
 
 
+def verdict(results: dict, drafter: str) -> dict:
+    """Whether the trained drafter pays for itself: its speedup over no drafter on each bench task, and
+    where it does not (below 1.0x), the fastest method measured on that task."""
+    tasks: dict[str, dict] = {}
+    for row in results["rows"]:
+        if row["temperature"] != 0:
+            continue
+        entry = tasks.setdefault(row["task"], {"drafter": None, "fastest": None})
+        if row["method"] == drafter:
+            entry["drafter"] = round(row["speedup"], 3)
+        fastest = entry["fastest"]
+        if fastest is None or row["speedup"] > fastest[1]:
+            entry["fastest"] = (row["method"], round(row["speedup"], 3))
+    pays = all(e["drafter"] is not None and e["drafter"] >= 1.0 for e in tasks.values())
+    parts = []
+    for task, e in tasks.items():
+        if e["drafter"] is None:
+            continue
+        text = f"{e['drafter']:.2f}x on {task}"
+        if e["drafter"] < 1.0:
+            method, speedup = e["fastest"]
+            name = "the trained drafter" if method == drafter else ("no drafter" if speedup == 1.0 else f"`{method}`")
+            text += f" (slower than no drafter; fastest measured there: {name}, {speedup:.2f}x)"
+        parts.append(text)
+    summary = ("the trained drafter pays for itself: " if pays else
+               "the trained drafter does NOT pay for itself on every task (more training, a GPU or bf16 hardware "
+               "helps; see README): ") + ", ".join(parts)
+    return {"pays_for_itself": pays, "tasks": tasks, "summary": summary}
+
+
+def _append_learning_curve(report: pathlib.Path, run_dir: pathlib.Path) -> None:
+    """Add the training run's held-out learning curve (table and plot) to the bench report."""
+    from selfdraft.train.plots import learning_curve_table
+
+    metrics = run_dir / "metrics.jsonl"
+    table = learning_curve_table(metrics) if metrics.is_file() else ""
+    if not table or not report.is_file():
+        return
+    plot = run_dir / "training.png"
+    link = f"\n\n![training curves]({os.path.relpath(plot, report.parent)})" if plot.is_file() else ""
+    text = report.read_text(encoding="utf-8").rstrip("\n")
+    report.write_text(f"{text}\n\n## The drafter's learning curve\n\nHeld-out top-1 accuracy by draft depth during "
+                      f"training, and the acceptance length it predicts for the exported tree (compare with the measured "
+                      f"tau above):\n\n{table}{link}\n", encoding="utf-8")
+
+
 def _device(name: str) -> str:
     """``auto`` -> cuda where there is a GPU, else cpu. Training goes through accelerate, which takes a
     GPU where there is one: ``cpu`` keeps it on the CPU (ACCELERATE_USE_CPU)."""
@@ -114,6 +165,41 @@ def _say(message: str) -> None:
     print(f"[quickstart] {message}", flush=True)
 
 
+def _plan(qc: QuickstartConfig, config, overrides: list[str], out: pathlib.Path, qc_device: str) -> dict:
+    """Time ``calibration_steps`` online steps (in ``OUT/calibration``, then discarded) and spend the
+    budget by :func:`selfdraft.train.budget.plan_budget`: online features or a feature cache, and how
+    many conversations."""
+    import dataclasses
+
+    import torch
+
+    from selfdraft.configs.run import load_run_config
+    from selfdraft.heads.target import load_target_tokenizer, resolve_dtype
+    from selfdraft.train.budget import StepCosts, free_gb, plan_budget
+    from selfdraft.train.features import feature_layers
+    from selfdraft.train.loop import train
+
+    folder = out / "calibration"
+    cps = config.train.micro_batch_size * config.train.grad_accum
+    sample = min(config.data.max_conversations or 10**9, 10 * cps * qc.calibration_steps)  # enough to draw from
+    calibration = load_run_config(qc.config, [*overrides, f"train.output_dir={folder}", "train.features=",
+                                              f"train.save_every={qc.calibration_steps}", f"data.max_conversations={sample}"])
+    _say(f"train: {config.name}, timing {qc.calibration_steps} steps to plan {qc.budget_minutes:g} minutes")
+    shutil.rmtree(folder, ignore_errors=True)  # an interrupted calibration starts over: its steps are timed
+    first = train(calibration, stop_after=qc.calibration_steps)
+    shutil.rmtree(folder, ignore_errors=True)
+    costs = StepCosts.measured(first, cps)
+    _, identity = load_target_tokenizer(config.target.spec, trust_remote_code=config.target.trust_remote_code)
+    layers = feature_layers(config.drafter.kind, identity.num_layers, config.drafter.eagle.aux_layers)
+    itemsize = torch.empty((), dtype=resolve_dtype(config.target.dtype, qc_device)).element_size()  # the cache keeps it
+    available = config.data.max_conversations or 10**9
+    plan = plan_budget(qc.budget_minutes * 60, costs, available=available,
+                       bytes_per_token=len(layers) * identity.hidden_size * itemsize, free_gb=free_gb(out))
+    _say(f"train: {costs.seconds_per_step:.2f} s per step ({costs.target_seconds_per_step:.2f} s of it the target's "
+         f"forward) -> {plan.steps} steps: {plan.reason}")
+    return dataclasses.asdict(plan)
+
+
 def quickstart(qc: QuickstartConfig) -> dict:
     """Run (or resume) the quickstart; returns the bench results. See the module docstring."""
     from selfdraft.configs.run import load_run_config
@@ -127,9 +213,8 @@ def quickstart(qc: QuickstartConfig) -> dict:
     run_dir = out / "run"
     overrides = [*qc.overrides, f"train.output_dir={run_dir}"]
     config = load_run_config(qc.config, overrides)
-    if qc.calibration_steps > config.train.warmup_steps:
-        raise SelfdraftError(f"calibration_steps {qc.calibration_steps} exceeds the preset's warm-up "
-                             f"({config.train.warmup_steps} steps): the timed steps would depend on the total")
+    if qc.calibration_steps < 1:
+        raise SelfdraftError(f"calibration_steps must be >= 1, got {qc.calibration_steps}")
     out.mkdir(parents=True, exist_ok=True)
     stages = _Stages(out, {"config": qc.config, "overrides": list(qc.overrides), "budget_minutes": qc.budget_minutes})
     began = time.perf_counter()
@@ -138,25 +223,28 @@ def quickstart(qc: QuickstartConfig) -> dict:
     if stages.done("train"):
         _say(f"train: done before ({stages.done('train')['steps']} steps), skipped")
     else:
-        planned = stages.data.get("planned_steps")
-        if planned is None:
-            latest = ckpt.latest_checkpoint(run_dir / "checkpoints")
-            start = ckpt.read_state(latest)["step"] if latest is not None else 0
-            if start + qc.calibration_steps > config.train.warmup_steps:
-                raise SelfdraftError(f"{run_dir} holds an unsized run at step {start}: remove {out} to start over")
-            _say(f"train: {config.name}, timing {qc.calibration_steps} steps to size the run to "
-                 f"{qc.budget_minutes:g} minutes")
-            first = train(config, resume=latest is not None, stop_after=start + qc.calibration_steps)
-            per_step = first.train_seconds / qc.calibration_steps
-            planned = max(first.step + 1, int(qc.budget_minutes * 60 / per_step))
-            stages.data["planned_steps"] = planned
+        plan = stages.data.get("plan")
+        if plan is None:
+            plan = _plan(qc, config, overrides, out, device)
+            stages.data["plan"] = plan
             stages.save()
-            _say(f"train: {per_step:.2f} s per step -> {planned} steps")
-        config = load_run_config(qc.config, [*overrides, f"train.max_steps={planned}"])
+        # A held-out evaluation about every quarter of the run: the learning curve the report shows.
+        # The plan counts training conversations; the held-out share of data.max_conversations comes on top.
+        held = 0.0 if config.data.eval_source else config.data.eval_fraction
+        cps = config.train.micro_batch_size * config.train.grad_accum
+        # (at least a few batches' worth: conversations with no assistant token within max_length are dropped)
+        wanted = min(config.data.max_conversations or 10**9, max(4 * cps, math.ceil(plan["conversations"] / (1 - held))))
+        config = load_run_config(qc.config, [*overrides, f"data.max_conversations={wanted}",
+                                             f"train.max_steps={plan['steps']}",
+                                             f"train.features={'auto' if plan['features'] == 'cached' else ''}",
+                                             f"train.eval_every={max(1, plan['steps'] // 4)}"])
+        from selfdraft.train.budget import resolve_features
+
+        config = resolve_features(config, min_epochs=0.0)  # the plan has decided; this writes (or finds) the cache
         result = train(config, resume=ckpt.latest_checkpoint(run_dir / "checkpoints") is not None)
         if result.drafter_dir is None:
-            raise SelfdraftError(f"training stopped at step {result.step} of {planned}; rerun to resume")
-        stages.finish("train", {"steps": planned, "drafter": str(result.drafter_dir), "last_eval": result.last_eval})
+            raise SelfdraftError(f"training stopped at step {result.step} of {plan['steps']}; rerun to resume")
+        stages.finish("train", {"steps": plan["steps"], "drafter": str(result.drafter_dir), "last_eval": result.last_eval})
         _say(f"train: done, drafter in {result.drafter_dir}")
     drafter = pathlib.Path(stages.done("train")["drafter"])
 
@@ -171,7 +259,9 @@ def quickstart(qc: QuickstartConfig) -> dict:
         results = run_bench(config.target.spec, [*BENCH_METHODS, str(drafter)], qc.bench_tasks, [0.0],
                             qc.max_new_tokens, qc.bench_limit, out / "bench", dtype=config.target.dtype,
                             device=device, threads=qc.threads, command="selfdraft quickstart")
-        stages.finish("bench", {"report": str(out / "bench" / "report.md")})
+        _append_learning_curve(out / "bench" / "report.md", run_dir)
+        stages.finish("bench", {"report": str(out / "bench" / "report.md"), "verdict": verdict(results, str(drafter))})
+    _say(f"bench: {verdict(results, str(drafter))['summary']}")
 
     # 3. export, with the acceptance length the bench measured in each model card
     if stages.done("export"):

@@ -288,3 +288,20 @@ def test_build_datasets_split_is_deterministic_and_complete(tokenizer, tmp_path)
     assert [len(d) for d in build_datasets(tiny, tokenizer)] == [1, 1]  # at least one eval example
     one = DataConfig(source=str(path), max_length=64, max_conversations=1)
     assert [len(d) for d in build_datasets(one, tokenizer)] == [1, 0]
+
+
+@pytest.mark.embedded
+def test_eval_source_is_the_held_out_split_whatever_the_training_data(tokenizer, tmp_path):
+    """With data.eval_source every conversation of the source trains, and runs over different amounts
+    (or kinds) of training data are scored on the same held-out conversations."""
+    source = write_jsonl(tmp_path / "train.jsonl", [messages_record(i) for i in range(12)])
+    held = write_jsonl(tmp_path / "held.jsonl", [sharegpt_record(100 + i) for i in range(3)])
+    splits = [build_datasets(DataConfig(source=str(source), max_length=64, max_conversations=m,
+                                        eval_source=str(held)), tokenizer) for m in (5, 12)]
+    expected = [render(tokenizer, messages_record(i)["messages"], 64)[0] for i in range(12)]
+    for (train, evaluation), m in zip(splits, (5, 12)):
+        assert [list(r) for r in train["input_ids"]] == expected[:m]  # all of it, in source order
+        assert len(evaluation) == 3
+    assert list(splits[0][1]["input_ids"]) == list(splits[1][1]["input_ids"])
+    with pytest.raises(SelfdraftError, match="no usable conversation"):
+        build_datasets(DataConfig(source=str(source), eval_source=str(write_jsonl(tmp_path / "e.jsonl", []))), tokenizer)

@@ -8,11 +8,13 @@ import pytest
 
 from selfdraft.cli import main
 from selfdraft.errors import SelfdraftError
+from selfdraft.quickstart import measured_acceptance
 
 
 def _args(tiny_target, out):
-    return ["quickstart", "--out", str(out), "--budget-minutes", "0.02", "--bench-limit", "1", "--max-new-tokens", "6",
-            f"target.spec={tiny_target}", "data.max_conversations=24", "data.max_length=64", "data.eval_fraction=0.2",
+    # 15 s of steps on 12 conversations: more than one read of each, so the plan caches their features.
+    return ["quickstart", "--out", str(out), "--budget-minutes", "0.25", "--bench-limit", "1", "--max-new-tokens", "6",
+            f"target.spec={tiny_target}", "data.max_conversations=12", "data.max_length=64", "data.eval_fraction=0.2",
             "train.micro_batch_size=2", "drafter.eagle.draft_vocab_size=512", "train.eval_batches=1"]
 
 
@@ -23,21 +25,34 @@ def test_quickstart_runs_end_to_end_and_a_second_run_reuses_its_stages(tiny_targ
     assert main(_args(tiny_target, out)) == 0
     first = capsys.readouterr().out
     stages = json.loads((out / "stages.json").read_text())
-    assert set(stages["done"]) == {"train", "export", "bench"} and stages["planned_steps"] >= 6
-    assert "s per step ->" in first and "report:" in first
+    assert set(stages["done"]) == {"train", "export", "bench"}
+    plan = stages["plan"]
+    assert plan["steps"] > 6 and plan["features"] == "cached" and plan["reason"] in first, plan
+    assert "s per step (" in first and "report:" in first
+    assert (out / "run" / "features" / "features.json").is_file() and "streaming the target's features" in first
+    assert not (out / "calibration").exists()  # the timed steps are not kept
     assert (out / "run" / "drafter" / "config.json").is_file()
     for fmt, key in (("vllm", "eagle_aux_hidden_state_layer_ids"), ("sglang", "eagle_config")):
         engine = json.loads((out / f"export-{fmt}" / "config.json").read_text())
         assert engine["architectures"] == ["LlamaForCausalLMEagle3"] and key in engine
         card = (out / f"export-{fmt}" / "README.md").read_text()
         assert "held-out top-1 by depth" in card and ("vllm serve" if fmt == "vllm" else "sglang.launch_server") in card
-        assert "| acceptance length | 1." in card  # measured by the bench stage, which runs first
     results = json.loads((out / "bench" / "results.json").read_text())
+    # the card holds the acceptance length the bench stage (which runs first) measured for this drafter
+    measured = measured_acceptance(results, str(out / "run" / "drafter"))
+    assert measured is not None and measured["acceptance_length"] >= 1.0
+    for fmt in ("vllm", "sglang"):
+        card = (out / f"export-{fmt}" / "README.md").read_text()
+        assert f"| acceptance length | {measured['acceptance_length']:.2f} (" in card
     methods = {row["method"] for row in results["rows"]}
     assert {"none", "prompt-lookup", "hf-greedy", "hf-prompt-lookup", str(out / "run" / "drafter")} <= methods
     assert {row["task"] for row in results["rows"]} == {"mt_bench", "humaneval"}
     assert all(row["exact"] for row in results["rows"] if row["method"] != "hf-prompt-lookup")
     assert (out / "bench" / "report.md").is_file()
+    report = (out / "bench" / "report.md").read_text()
+    assert "## The drafter's learning curve" in report and "predicted tau" in report and "training.png" in report
+    judged = stages["done"]["bench"]["verdict"]
+    assert judged["summary"] in first and set(judged["tasks"]) == {"mt_bench", "humaneval"}
 
     stamps = {p: p.stat().st_mtime_ns for p in [out / "run" / "drafter" / "config.json", out / "bench" / "results.json",
                                                   out / "export-vllm" / "config.json"]}
@@ -55,3 +70,20 @@ def test_quickstart_refuses_other_settings_in_the_same_folder(tiny_target, tmp_p
         _Stages(tmp_path, {"config": "quickstart", "overrides": [], "budget_minutes": 5.0})
     assert main(["quickstart", "--out", str(tmp_path), "--budget-minutes", "0"]) == 2
     assert QuickstartConfig().config == "quickstart"
+
+
+def test_the_verdict_names_the_fastest_method_where_the_drafter_does_not_pay():
+    from selfdraft.quickstart import verdict
+
+    def row(task, method, speedup, t=0.0):
+        return {"task": task, "method": method, "speedup": speedup, "temperature": t}
+
+    rows = [row("mt_bench", "none", 1.0), row("mt_bench", "run/drafter", 1.12), row("mt_bench", "prompt-lookup", 1.05),
+            row("humaneval", "none", 1.0), row("humaneval", "run/drafter", 0.93), row("humaneval", "prompt-lookup", 2.1),
+            row("humaneval", "run/drafter", 3.0, t=0.7)]  # other temperatures do not count
+    judged = verdict({"rows": rows}, "run/drafter")
+    assert not judged["pays_for_itself"]
+    assert "1.12x on mt_bench" in judged["summary"]
+    assert "0.93x on humaneval (slower than no drafter; fastest measured there: `prompt-lookup`, 2.10x)" in judged["summary"]
+    rows[4]["speedup"] = 1.01
+    assert verdict({"rows": rows}, "run/drafter")["pays_for_itself"]

@@ -7,6 +7,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -292,12 +293,15 @@ SHARDED = {
 def test_sharded_training_equals_one_process_and_resumes_after_a_kill(tiny_target, tmp_path, strategy, kind):
     """DeepSpeed ZeRO-3 and FSDP2 on 2 CPU processes (gloo), the target sharded (ZeRO-3: created
     partitioned; FSDP: one unit per decoder layer, loaded by local rank 0 and broadcast in shards), every
-    process running the same forwards (evaluation included): a run killed with SIGKILL and resumed equals
-    the uninterrupted run bit for bit, and both equal one process accumulating the same batches (to float
-    tolerance: 2 processes sum the gradients in another order)."""
+    process running the same forwards (evaluation included, its last batch only partly real): a run killed
+    with SIGKILL and resumed equals the uninterrupted run bit for bit, and both equal one process
+    accumulating the same batches (to float tolerance: 2 processes sum the gradients in another order)."""
     config = [*SHARDED[strategy], "-m", "selfdraft.train", "--config", "smoke_cpu"]
     drafter = ["drafter.kind=medusa", "drafter.medusa.lora.rank=4"] if kind == "medusa2" else [f"drafter.kind={kind}"]
-    run = [*drafter, "train.max_steps=40", "train.save_every=2", "train.eval_every=20", "train.dist_timeout_minutes=5"]
+    # 2 conversations a batch and 7 held out: the last evaluation batch holds one, filled up with an
+    # unscored one so that both processes run the target as often (a ZeRO-3 gather per forward).
+    run = [*drafter, "train.max_steps=40", "train.save_every=2", "train.eval_every=20", "train.dist_timeout_minutes=5",
+           "train.micro_batch_size=2", "data.eval_fraction=0.3", "train.eval_batches=0"]
     whole = _launch([*config, *_overrides(tiny_target, tmp_path / "whole"), *run], {}, tmp_path)
     if strategy == "zero3":
         assert "ZeRO-3 created the target partitioned: this process holds" in whole.stderr
@@ -358,6 +362,11 @@ def test_distill_writes_resumable_shards_that_train_reads(embedded_fp32, tmp_pat
     assert shards[1].is_file() and shards[0].stat().st_mtime_ns == before
     with pytest.raises(SelfdraftError, match="other settings"):
         distill(target, data, out, DistillConfig(max_new_tokens=7, batch_size=2, shard_size=2))
+    # The target in another dtype answers differently at near-ties: not resumed into the same folder.
+    bf16 = types.SimpleNamespace(tokenizer=target.tokenizer, identity=target.identity,
+                                 model=types.SimpleNamespace(dtype=torch.bfloat16))
+    with pytest.raises(SelfdraftError, match=r"other settings \(target_dtype differ"):
+        distill(bf16, data, out, config)
 
 
 def test_wandb_offline_tracking(tiny_target, tmp_path, monkeypatch):
@@ -543,3 +552,32 @@ def test_feature_cache_errors_are_clear_and_write_nothing(tiny_target, tmp_path,
         train(tiny_config(tiny_target, tmp_path / "d", f"train.features={tmp_path}"))
     with pytest.raises(SelfdraftError, match="Medusa-2 trains the target"):
         load_run_config("medusa2_smollm2", ["train.features=x"])
+
+
+def test_a_max_length_beyond_the_targets_context_is_refused_before_anything_is_written(tiny_target, tmp_path):
+    from selfdraft.train.features import write_features
+
+    # The tiny target's context is 512 positions.
+    config = tiny_config(tiny_target, tmp_path / "run", "data.max_length=600")
+    for run in (lambda: train(config), lambda: write_features(config, tmp_path / "features")):
+        with pytest.raises(SelfdraftError, match=r"data.max_length 600 is longer than the target's context \(512 positions"):
+            run()
+    assert not (tmp_path / "features").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_mixed_precision_auto_follows_the_processor(tiny_target, tmp_path, monkeypatch):
+    """``train.mixed_precision: auto`` (the presets): bf16 autocast only where the processor multiplies
+    bf16 natively; every entry point that builds an accelerator takes it (a feature cache included)."""
+    import selfdraft.machine as machine
+    from selfdraft.train.features import write_features
+    from selfdraft.train.loop import resolve_mixed_precision
+
+    assert resolve_mixed_precision("no") == "no" and resolve_mixed_precision(None) is None
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(machine, "cpu_flags", lambda: ["avx2", "avx512f", "avx512_bf16"])
+        assert resolve_mixed_precision("auto") == "bf16"
+        monkeypatch.setattr(machine, "cpu_flags", lambda: ["avx2"])
+        assert resolve_mixed_precision("auto") == "no"
+    config = tiny_config(tiny_target, tmp_path / "run", "train.mixed_precision=auto", "data.max_conversations=6")
+    write_features(config, tmp_path / "features")
+    assert (tmp_path / "features" / "features.json").is_file()

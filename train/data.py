@@ -401,13 +401,42 @@ def build_datasets(config: DataConfig, tokenizer, processes: int = 1):
     ``length`` (int32, T). Conversations whose mask is all zero after truncation are dropped. The
     split is a permutation seeded by ``config.seed``: the same source, ``max_conversations`` and seed
     give the same split. ``eval`` holds ``round(eval_fraction * n)`` conversations, at least one when
-    n >= 2 and never all of them; each split keeps the source order. No usable conversation raises
-    :class:`SelfdraftError` with the counts read and skipped.
+    n >= 2 and never all of them; each split keeps the source order. With ``config.eval_source`` the
+    whole of ``source`` trains and every usable conversation of ``eval_source`` is held out. No usable
+    conversation raises :class:`SelfdraftError` with the counts read and skipped.
     """
     import datasets
 
     if not 0.0 <= config.eval_fraction < 1.0:
         raise SelfdraftError(f"data.eval_fraction must be in [0, 1), got {config.eval_fraction}")
+    input_ids, loss_masks = _render_source(config, tokenizer, processes)
+    n = len(input_ids)
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        "length": datasets.Value("int32"),
+    })
+
+    def subset(ids: list[np.ndarray], masks: list[np.ndarray], indices) -> datasets.Dataset:
+        chosen = sorted(int(i) for i in indices)
+        return datasets.Dataset.from_dict({
+            "input_ids": [ids[i] for i in chosen],
+            "loss_mask": [masks[i] for i in chosen],
+            "length": [len(ids[i]) for i in chosen],
+        }, features=features)
+
+    if config.eval_source:
+        held_ids, held_masks = _render_source(
+            dataclasses.replace(config, source=config.eval_source, format="auto", max_conversations=None),
+            tokenizer, processes)
+        return subset(input_ids, loss_masks, range(n)), subset(held_ids, held_masks, range(len(held_ids)))
+    n_eval = 0 if n < 2 else min(n - 1, max(1, round(config.eval_fraction * n)))
+    order = np.random.default_rng(config.seed).permutation(n)
+    return subset(input_ids, loss_masks, order[n_eval:]), subset(input_ids, loss_masks, order[:n_eval])
+
+
+def _render_source(config: DataConfig, tokenizer, processes: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Every usable conversation of ``config.source`` rendered: (input_ids int32, loss_mask int8) lists."""
     stats = ReadStats()
     input_ids: list[np.ndarray] = []
     loss_masks: list[np.ndarray] = []
@@ -420,26 +449,9 @@ def build_datasets(config: DataConfig, tokenizer, processes: int = 1):
             continue
         input_ids.append(np.asarray(ids, dtype=np.int32))
         loss_masks.append(np.asarray(mask, dtype=np.int8))
-    n = len(input_ids)
-    if n == 0:
+    if not input_ids:
         raise SelfdraftError(
             f"data source {config.source!r} gave no usable conversation: {stats.records} records read, "
             f"{stats.skipped_no_assistant} without an assistant turn, {all_masked_out} with no assistant "
             f"token within max_length={config.max_length}")
-    n_eval = 0 if n < 2 else min(n - 1, max(1, round(config.eval_fraction * n)))
-    order = np.random.default_rng(config.seed).permutation(n)
-    features = datasets.Features({
-        "input_ids": datasets.Sequence(datasets.Value("int32")),
-        "loss_mask": datasets.Sequence(datasets.Value("int8")),
-        "length": datasets.Value("int32"),
-    })
-
-    def subset(indices: np.ndarray):
-        chosen = sorted(int(i) for i in indices)
-        return datasets.Dataset.from_dict({
-            "input_ids": [input_ids[i] for i in chosen],
-            "loss_mask": [loss_masks[i] for i in chosen],
-            "length": [len(input_ids[i]) for i in chosen],
-        }, features=features)
-
-    return subset(order[n_eval:]), subset(order[:n_eval])
+    return input_ids, loss_masks

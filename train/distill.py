@@ -146,10 +146,14 @@ def distill(target, data: DataConfig, out: str | os.PathLike, config: DistillCon
         def answer(histories: list[list[dict]], seeds: list[int]) -> list[str]:
             return _generate(target, histories, config, generator)
         batch_size = config.batch_size
+        # The target's dtype decides its greedy answers at near-ties: a resumed run must not mix them.
+        manifest["target_dtype"] = str(target.model.dtype).removeprefix("torch.")
 
     out = pathlib.Path(out)
     if (out / MANIFEST).is_file():
         old = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+        if "target_dtype" not in old:  # written before the dtype was recorded (2026-12-02): not known to differ
+            old = {**old, **{k: manifest[k] for k in ("target_dtype",) if k in manifest}}
         if old != manifest:
             changed = sorted(k for k in set(manifest) | set(old) if old.get(k) != manifest.get(k))
             raise SelfdraftError(f"{out} holds a distillation with other settings ({', '.join(changed)} differ): "

@@ -7,7 +7,8 @@ target on each conversation of a batch on its own, unpadded, so a conversation's
 depend on which others share its batch. ``selfdraft features`` writes the same tensors to a sharded
 cache and a run with ``train.features=DIR`` streams them instead of running the target: both
 paths give the same training batches, bit for bit when the cache keeps the target's dtype
-(``--dtype bfloat16`` halves the disk and rounds the features).
+(``--dtype bfloat16`` halves the disk and rounds the features; packed rows on a GPU, where the target
+runs once per row, round too).
 
 Layout of a cache folder::
 
@@ -67,22 +68,50 @@ def run_feature_layers(config, target_model) -> list[int]:
 
 @torch.no_grad()
 def target_features(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    layers: list[int]) -> torch.Tensor:
-    """(B, T, len(layers), H) hidden states of a right-padded batch, zeros on padding.
+                    layers: list[int], position_ids: torch.Tensor | None = None,
+                    per_conversation: bool | None = None) -> torch.Tensor:
+    """(B, T, len(layers), H) hidden states of a batch, zeros on padding.
 
-    Each row runs through the target alone and unpadded (the LM head on its last position only),
-    which makes its features independent of the batch it is in."""
+    Rows hold their tokens first, then their padding. Unpacked (``position_ids`` None), a row is one
+    conversation, run through the target alone and unpadded, so its features do not depend on the
+    batch it is in. Packed (``position_ids`` restarting at every conversation, ``train.loop.collate``):
+
+    * ``per_conversation`` (the default on a CPU): each conversation of a row runs alone, as unpacked,
+      and its features are the same bits. On a CPU attention is dense whatever the mask, so a row of
+      several conversations would pay attention across all of them only to mask it away.
+    * else (the default on a GPU): one forward over all rows, in which transformers keeps attention
+      within each conversation (it reads the restarts from ``position_ids`` when no attention mask is
+      given: ``masking_utils.find_packed_sequence_indices``; a row's trailing padding is a block of
+      its own); features equal the conversation's own forward's to float rounding.
+
+    Every process of a run runs the same number of forwards for batches of the same number of
+    conversations (one per conversation, or one per batch), as ZeRO-3's collective gathers need. The
+    LM head runs on the last position only."""
     B, T = input_ids.shape
-    out: torch.Tensor | None = None
+    if per_conversation is None:
+        per_conversation = input_ids.device.type == "cpu"
+    if position_ids is not None and not per_conversation:
+        states = model(input_ids=input_ids, position_ids=position_ids, output_hidden_states=True, use_cache=False,
+                       logits_to_keep=1).hidden_states
+        out = torch.stack([states[i] for i in layers], dim=2)  # (B, T, layers, H)
+        return out * attention_mask[:, :, None, None].to(out.dtype)
+    spans: list[tuple[int, int, int]] = []  # (row, start, end) of each conversation
     for b, n in enumerate(attention_mask.sum(1).tolist()):
         if n == 0:
             continue
-        states = model(input_ids=input_ids[b:b + 1, :n], output_hidden_states=True, use_cache=False,
+        if position_ids is None:
+            spans.append((b, 0, n))
+        else:
+            starts = (position_ids[b, :n] == 0).nonzero().flatten().tolist() + [n]
+            spans += [(b, s, e) for s, e in zip(starts, starts[1:])]
+    out: torch.Tensor | None = None
+    for b, start, end in spans:
+        states = model(input_ids=input_ids[b:b + 1, start:end], output_hidden_states=True, use_cache=False,
                        logits_to_keep=1).hidden_states
         row = torch.stack([states[i][0] for i in layers], dim=1)  # (n, layers, H)
         if out is None:
             out = row.new_zeros(B, T, len(layers), row.shape[-1])
-        out[b, :n] = row
+        out[b, start:end] = row
     if out is None:
         raise SelfdraftError("a batch without a single token")
     return out
@@ -161,7 +190,7 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     from tqdm.auto import tqdm
 
     from selfdraft.heads.target import load_target, load_target_tokenizer, resolve_dtype, target_folder
-    from selfdraft.train.loop import data_key, prepare_data
+    from selfdraft.train.loop import check_context, data_key, prepare_data
 
     t = config.train
     run_dir = pathlib.Path(t.output_dir)
@@ -174,7 +203,11 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
         handlers.append(InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=t.dist_timeout_minutes),
                                                **({} if torch.cuda.is_available() else {"backend": "gloo"})))
     # The run's autocast too: its online features are computed under it.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision,
+    from selfdraft.train.loop import fresh_accelerate_state, resolve_mixed_precision
+
+    if not handlers:  # not launched: this call owns the process
+        fresh_accelerate_state()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=resolve_mixed_precision(t.mixed_precision),
                               kwargs_handlers=handlers)
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     # A built-in target is converted once per node.
@@ -243,6 +276,7 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     if target.identity != identity or target.model.dtype != target_dtype:
         raise SelfdraftError(f"target {config.target.spec} loaded as {target.identity} in {target.model.dtype}, "
                              f"planned as {identity} in {target_dtype}")
+    check_context(config, target.max_context)
     if main:
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / (MANIFEST + ".tmp")
@@ -356,12 +390,16 @@ class FeatureCache:
         a, b = int(offsets[j]), int(offsets[j + 1])
         return handle.get_slice("features")[a:b].index_select(1, self.select)
 
-    def batch(self, split: str, indices: list[int], length: int, device, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """(B, length, layers, H) right-padded features of several examples, as ``collate`` pads ids."""
-        rows = [self.get(split, i) for i in indices]
-        out = rows[0].new_zeros(len(rows), length, *rows[0].shape[1:])
-        for b, row in enumerate(rows):
-            out[b, : len(row)] = row
+    def batch(self, split: str, indices: list[int], length: int, device, dtype: torch.dtype | None = None,
+              placement: list[tuple[int, int]] | None = None, rows: int | None = None) -> torch.Tensor:
+        """(rows, length, layers, H) features of several examples laid out as ``collate`` lays out their
+        ids: example i at row ``placement[i][0]`` from position ``placement[i][1]`` (default: a row
+        each, from 0); zeros elsewhere."""
+        found = [self.get(split, i) for i in indices]
+        placement = placement or [(b, 0) for b in range(len(found))]
+        out = found[0].new_zeros(rows or len(found), length, *found[0].shape[1:])
+        for (r, start), row in zip(placement, found):
+            out[r, start:start + len(row)] = row
         return out.to(device=device, dtype=dtype or out.dtype)
 
 

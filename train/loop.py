@@ -38,6 +38,7 @@ from selfdraft.configs.schema import to_dict
 from selfdraft.errors import SelfdraftError
 from selfdraft.files import as_if_created
 from selfdraft.train import checkpoint as ckpt
+from selfdraft.train.profile import StepProfile
 
 # Keys whose change is allowed when resuming (they do not change what the finished run computes,
 # or only extend it).
@@ -61,6 +62,11 @@ class TrainResult:
     train_tokens_per_second: float
     train_seconds: float = 0.0
     """Seconds spent in optimizer steps by this call (loading, evaluation and saving excluded)."""
+    step_seconds: list[float] = dataclasses.field(default_factory=list)
+    """Each optimizer step's seconds, in order (the first pays one-off costs: plan from the others)."""
+    target_seconds: float = 0.0
+    """Of ``train_seconds``, those in the target's forward (online features; 0 with a feature cache):
+    what a cache would save per step (``selfdraft.train.budget``)."""
     objective: Any = None
     """The trained module (target + drafter), unwrapped from accelerate, on its device."""
 
@@ -89,6 +95,15 @@ def data_key(config: RunConfig, tokenizer) -> dict[str, Any]:
 def data_folder(config: RunConfig) -> pathlib.Path:
     """The folder of the rendered split: ``train.data_dir`` (node-local) or ``output_dir/data`` (shared)."""
     return pathlib.Path(config.train.data_dir or pathlib.Path(config.train.output_dir) / "data")
+
+
+def check_context(config: RunConfig, max_context: int) -> None:
+    """A conversation of ``data.max_length`` tokens must fit the target's context: past its
+    ``max_position_embeddings`` the features would come from positions the target never learned
+    (RoPE computes them silently)."""
+    if config.data.max_length > max_context:
+        raise SelfdraftError(f"data.max_length {config.data.max_length} is longer than the target's context "
+                             f"({max_context} positions, its max_position_embeddings): set data.max_length <= {max_context}")
 
 
 def prepare_data(config: RunConfig, tokenizer, accelerator) -> tuple[list, list]:
@@ -148,23 +163,83 @@ MIN_BATCH_LENGTH = 3
 so that no objective has to skip a batch, which under ZeRO-3 would desynchronise the processes."""
 
 
-def collate(examples: list[tuple[np.ndarray, np.ndarray]], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Right-pad a list of (input_ids, loss_mask) to one batch of (B, T) tensors, T >= MIN_BATCH_LENGTH."""
-    T = max(MIN_BATCH_LENGTH, *(len(ids) for ids, _ in examples))
-    ids = np.full((len(examples), T), pad_id, dtype=np.int64)
-    attn = np.zeros((len(examples), T), dtype=np.int64)
-    mask = np.zeros((len(examples), T), dtype=np.int64)
-    for i, (x, m) in enumerate(examples):
-        ids[i, : len(x)], attn[i, : len(x)], mask[i, : len(x)] = x, 1, m
-    return {k: torch.from_numpy(v).to(device) for k, v in
-            (("input_ids", ids), ("attention_mask", attn), ("loss_mask", mask))}
+def pack_rows(lengths: list[int], pack_tokens: int) -> list[list[int]]:
+    """Which examples share a row when a micro batch is packed: first-fit decreasing into rows of at
+    most ``pack_tokens`` tokens (longest first, ties by order); each row lists its examples in order.
+    With ``pack_tokens`` 0 every example has a row of its own."""
+    if pack_tokens <= 0:
+        return [[i] for i in range(len(lengths))]
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if lengths[i] > pack_tokens:
+            raise SelfdraftError(f"a conversation of {lengths[i]} tokens does not fit a packed row of train.pack_tokens="
+                                 f"{pack_tokens}: set train.pack_tokens >= data.max_length")
+        r = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if r is None:
+            rows.append([])
+            room.append(pack_tokens)
+            r = len(rows) - 1
+        rows[r].append(i)
+        room[r] -= lengths[i]
+    return [sorted(row) for row in rows]
 
 
-def make_batch(data: list, indices: list[int], pad_id: int, device, cache=None, split: str = "train") -> dict[str, torch.Tensor]:
-    """``collate`` of ``data[indices]``, plus their precomputed target features from ``cache``."""
-    batch = collate([data[i] for i in indices], pad_id, device)
+def _placement(lengths: list[int], pack_tokens: int) -> list[tuple[int, int]]:
+    """(row, start) of each example in a batch laid out by :func:`pack_rows`."""
+    placement = [(0, 0)] * len(lengths)
+    for r, row in enumerate(pack_rows(lengths, pack_tokens)):
+        start = 0
+        for i in row:
+            placement[i] = (r, start)
+            start += lengths[i]
+    return placement
+
+
+def collate(examples: list[tuple[np.ndarray, np.ndarray]], pad_id: int, device,
+            pack_tokens: int = 0) -> dict[str, torch.Tensor]:
+    """One batch of (R, T) tensors from a list of (input_ids, loss_mask), T >= MIN_BATCH_LENGTH.
+
+    Unpacked (``pack_tokens`` 0): a row per example, right-padded. Packed: the examples share rows of
+    at most ``pack_tokens`` tokens (:func:`pack_rows`), one after another, and ``position_ids`` (R, T)
+    restart at 0 where each begins; the padding at a row's end is a block of its own (positions from
+    0 again), and ``attention_mask`` is 0 there. A position's conversation is the number of zeros in
+    ``position_ids`` up to it: the target and the drafters attend within it only."""
+    placement = _placement([len(ids) for ids, _ in examples], pack_tokens)
+    R = 1 + max(r for r, _ in placement)
+    ends = [0] * R  # where each row's tokens end
+    for (r, start), (x, _) in zip(placement, examples):
+        ends[r] = max(ends[r], start + len(x))
+    T = max(MIN_BATCH_LENGTH, *ends)
+    ids = np.full((R, T), pad_id, dtype=np.int64)
+    attn = np.zeros((R, T), dtype=np.int64)
+    mask = np.zeros((R, T), dtype=np.int64)
+    pos = np.zeros((R, T), dtype=np.int64)
+    for (r, start), (x, m) in zip(placement, examples):
+        end = start + len(x)
+        ids[r, start:end], attn[r, start:end], mask[r, start:end] = x, 1, m
+        pos[r, start:end] = np.arange(len(x))
+    for r, end in enumerate(ends):
+        pos[r, end:] = np.arange(T - end)
+    tensors = [("input_ids", ids), ("attention_mask", attn), ("loss_mask", mask)]
+    if pack_tokens > 0:
+        tensors.append(("position_ids", pos))
+    return {k: torch.from_numpy(v).to(device) for k, v in tensors}
+
+
+def make_batch(data: list, indices: list[int], pad_id: int, device, cache=None, split: str = "train",
+               pack_tokens: int = 0, unscored: int = 0) -> dict[str, torch.Tensor]:
+    """``collate`` of ``data[indices]``, plus their precomputed target features from ``cache``, laid
+    out as ``collate`` lays out their tokens; the last ``unscored`` examples with their loss mask
+    zeroed (they run through every module and count nothing)."""
+    examples = [data[i] for i in indices]
+    for k in range(len(examples) - unscored, len(examples)):
+        examples[k] = (examples[k][0], np.zeros_like(examples[k][1]))
+    batch = collate(examples, pad_id, device, pack_tokens)
     if cache is not None:
-        batch["features"] = cache.batch(split, indices, batch["input_ids"].shape[1], device)
+        batch["features"] = cache.batch(split, indices, batch["input_ids"].shape[1], device,
+                                        placement=_placement([len(ids) for ids, _ in examples], pack_tokens),
+                                        rows=batch["input_ids"].shape[0])
     return batch
 
 
@@ -203,22 +278,37 @@ def evaluate(objective, eval_data: list, config: RunConfig, accelerator, pad_id:
     n_batches = math.ceil(len(eval_data) / mb)
     if config.train.eval_batches:
         n_batches = min(n_batches, config.train.eval_batches * world)
-    # Batch b goes to process b % world. Every process runs the same number of forwards (ZeRO-3 gathers
-    # parameters collectively): one without a batch of its own in the last round runs batch 0 and
-    # counts nothing.
+    # Batch b goes to process b % world. Every process runs the same forwards (ZeRO-3 gathers parameters
+    # collectively, and the target runs once per conversation on a CPU): every batch holds mb
+    # conversations, the last real one and those of a process without a batch of its own in the last
+    # round filled up with conversations whose loss mask is zeroed, which count nothing.
     total = None
     for b in range(rank, math.ceil(n_batches / world) * world, world):
-        batch = make_batch(eval_data, list(range(b * mb, min((b + 1) * mb, len(eval_data)))) if b < n_batches else [0],
-                           pad_id, accelerator.device, cache, "eval")
+        real = list(range(b * mb, min((b + 1) * mb, len(eval_data)))) if b < n_batches else []
+        fillers = [i % len(eval_data) for i in range(mb - len(real))]
+        batch = make_batch(eval_data, real + fillers, pad_id, accelerator.device, cache, "eval",
+                           pack_tokens=config.train.pack_tokens, unscored=len(fillers))
         with accelerator.autocast():
             _, stats = model(**batch)
-        if b >= n_batches:
-            stats = {k: torch.zeros_like(v) for k, v in stats.items()}
         total = _add_stats(total, stats)
     total = {k: accelerator.reduce(v, reduction="sum") for k, v in sorted(total.items())}
     model.train(was_training)
     metrics = {f"eval/{k}": v for k, v in summarise(total).items()}
-    return metrics, rank_accuracy(total)
+    accuracy = rank_accuracy(total)
+    metrics["eval/predicted_tau"] = predicted_tau(config, accuracy)
+    return metrics, accuracy
+
+
+def predicted_tau(config: RunConfig, accuracy: torch.Tensor) -> float:
+    """The acceptance length held-out rank accuracies (K, R) predict for the run's tree: Medusa's
+    ``tree_nodes`` sparse tree, or EAGLE's ``tree_nodes``-node tree of depth ``tree_depth`` and top-k
+    ``tree_top_k`` (``inference.medusa.expected_acceptance``)."""
+    from selfdraft.inference.medusa import expected_acceptance
+
+    if config.drafter.kind == "medusa":
+        return expected_acceptance(accuracy, config.drafter.medusa.tree_nodes)
+    e = config.drafter.eagle
+    return expected_acceptance(accuracy[:e.tree_depth, :e.tree_top_k], e.tree_nodes)
 
 
 def evaluation_record(last_eval: dict[str, float], step: int, top_k: int) -> dict[str, Any] | None:
@@ -283,6 +373,38 @@ def _config_changes(old: dict, new: dict) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
+def resolve_mixed_precision(value: str | None) -> str | None:
+    """``train.mixed_precision`` as accelerate takes it: ``auto`` becomes bf16 where the hardware
+    multiplies bf16 natively (a CUDA GPU that supports it; a CPU with AVX-512 BF16 or AMX), else no."""
+    if value != "auto":
+        return value
+    if _trains_on_gpu():
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    from selfdraft.machine import cpu_has_bf16
+
+    return "bf16" if cpu_has_bf16() else "no"
+
+
+def _trains_on_gpu() -> bool:
+    return torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "false").lower() != "true"
+
+
+def _bf16_reason() -> str:
+    from selfdraft.machine import cpu_flags
+
+    return "a GPU" if _trains_on_gpu() else f"CPU flags {' '.join(cpu_flags()) or 'unknown'}"
+
+
+def fresh_accelerate_state() -> None:
+    """Forget accelerate's process-wide state. It is global (accelerate 1.15), so a second run in the
+    same Python process (the quickstart's calibration and then its run, a sweep, a notebook) with
+    another mixed precision would be refused ("AcceleratorState has already been initialized").
+    Only for a process that no launcher started: that run owns it, and starts as a new process would."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def _make_accelerator(config: RunConfig, out: pathlib.Path):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
@@ -301,8 +423,10 @@ def _make_accelerator(config: RunConfig, out: pathlib.Path):
     # processes would run unsharded and unsynchronised. Run them as CPU processes (gloo), then switch
     # the state to FSDP, so that prepare() shards with FSDP2 exactly as it does on GPUs.
     fsdp_on_cpu = launched and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not torch.cuda.is_available()
+    if not launched:
+        fresh_accelerate_state()
     # train.mixed_precision unset: accelerate's own setting (its config file / launch flag, else "no").
-    accelerator = Accelerator(mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum,
+    accelerator = Accelerator(mixed_precision=resolve_mixed_precision(t.mixed_precision), gradient_accumulation_steps=t.grad_accum,
                               log_with="wandb" if t.report_to == "wandb" else None, project_dir=str(out),
                               kwargs_handlers=handlers, **({"cpu": True} if fsdp_on_cpu else {}))
     if fsdp_on_cpu:
@@ -321,7 +445,8 @@ def _make_accelerator(config: RunConfig, out: pathlib.Path):
         raise SelfdraftError("accelerate was launched with a DeepSpeed config but runs without DeepSpeed (ACCELERATE_USE_CPU "
                              "or --cpu turns it off): unset it; on CPUs set DS_ACCELERATOR=cpu instead")
     if accelerator.is_main_process:
-        source = "train.mixed_precision" if t.mixed_precision is not None else "accelerate's config"
+        source = {None: "accelerate's config", "auto": f"train.mixed_precision auto, {_bf16_reason()}"}.get(
+            t.mixed_precision, "train.mixed_precision")
         print(f"selfdraft: mixed precision {accelerator.mixed_precision} (from {source}) on {accelerator.device}",
               file=sys.stderr, flush=True)
     return accelerator
@@ -333,6 +458,7 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     from accelerate.utils import DistributedType, set_seed
 
     from selfdraft.heads.target import load_target, target_folder
+    from selfdraft.machine import peak_resident_bytes
     from selfdraft.train.partitioned import load_partitioned
     from selfdraft.train.objectives import build_objective, summarise
 
@@ -385,11 +511,17 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
                              model_loader=load_partitioned if _zero3(accelerator) else None)
     if target.tokenizer is None:
         raise SelfdraftError(f"target {config.target.spec} has no tokenizer: training needs its chat template")
-    if _zero3(accelerator) and main:
-        held = sum(p.ds_tensor.numel() for p in target.model.parameters())
-        whole = sum(p.ds_numel for p in target.model.parameters())
-        print(f"selfdraft: ZeRO-3 created the target partitioned: this process holds {held:,} of its {whole:,} "
-              "parameters", file=sys.stderr, flush=True)
+    check_context(config, target.max_context)
+    if main:
+        peak = peak_resident_bytes()
+        peak = f" (peak resident memory of this process so far: {peak / 1e9:.2f} GB)" if peak else ""
+        if _zero3(accelerator):
+            held = sum(p.ds_tensor.numel() for p in target.model.parameters())
+            whole = sum(p.ds_numel for p in target.model.parameters())
+            print(f"selfdraft: ZeRO-3 created the target partitioned: this process holds {held:,} of its {whole:,} "
+                  f"parameters{peak}", file=sys.stderr, flush=True)
+        else:
+            print(f"selfdraft: loaded the target{peak}", file=sys.stderr, flush=True)
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     train_data, eval_data = prepare_data(config, target.tokenizer, accelerator)
     if not eval_data:
@@ -498,7 +630,8 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     progress = tqdm(total=t.max_steps, initial=start_step, desc=f"training {config.name}", unit="step",
                     disable=not main or None)
     model.train()
-    tokens_done, time_spent = 0, 0.0
+    tokens_done, time_spent, step_seconds = 0, 0.0, []
+    phases = StepProfile(accelerator.device, only={"target forward"})  # what a feature cache would save
     window, window_steps = None, 0
     end = t.max_steps if stop_after is None else min(t.max_steps, stop_after)
     step = start_step
@@ -509,9 +642,10 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
         for micro in range(t.grad_accum):
             positions = batch_positions(step, micro, rank, micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, world=world)
             batch = make_batch(train_data, [stream_index(p, len(train_data), t.seed) for p in positions], pad_id,
-                               accelerator.device, cache)
+                               accelerator.device, cache, pack_tokens=t.pack_tokens)
             with accelerator.accumulate(model), accelerator.autocast():
-                loss, stats = model(**batch)
+                with phases.recording():
+                    loss, stats = model(**batch)
                 finite = accelerator.reduce(torch.isfinite(loss.detach()).float().reshape(1), reduction="sum")
                 if float(finite) < world:
                     last = ckpt.latest_checkpoint(ckpt_root)
@@ -533,7 +667,8 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
         done = step + 1
         step_tokens = float(accelerator.reduce(step_tokens, reduction="sum"))
         tokens_done += step_tokens
-        time_spent += time.perf_counter() - began
+        step_seconds.append(time.perf_counter() - began)
+        time_spent += step_seconds[-1]
         window, window_steps = _add_stats(window, step_stats), window_steps + 1
         progress.update(1)
         if done % t.log_every == 0 or done == end:
@@ -574,6 +709,7 @@ def train(config: RunConfig, *, resume: bool | str | os.PathLike = False, stop_a
     return TrainResult(output_dir=out, step=end if end > start_step else start_step,
                        drafter_dir=out / "drafter" if finished else None, last_eval=last_eval,
                        train_tokens_per_second=tokens_done / max(time_spent, 1e-9), train_seconds=time_spent,
+                       step_seconds=step_seconds, target_seconds=phases.seconds.get("target forward", 0.0),
                        objective=unwrapped)
 
 
@@ -585,19 +721,22 @@ def _zero3(accelerator) -> bool:
 
 def _bound_live_parameters(zero: dict, model, announce: bool) -> None:
     """ZeRO-3 limits a DeepSpeed config file leaves unset: at most two of the target's decoder layers
-    stay gathered between uses. DeepSpeed's default (1e9 parameters, 1e9 distance) keeps a whole
+    stay gathered between uses, and one layer's worth is prefetched (DeepSpeed's 5e7 elements would
+    prefetch several layers of a small target). DeepSpeed's default (1e9 parameters, 1e9 distance) keeps a whole
     target of that size gathered on every process once it has run; the frozen target never needs its
     weights again in the backward, so releasing them after each layer costs no extra gather."""
     layers = [m for m in model.modules() if type(m).__name__ in set(getattr(model, "_no_split_modules", None) or [])]
     if not layers:
         return
     layer = max(sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in m.parameters()) for m in layers)
-    set_here = {k: 2 * layer for k in ("stage3_max_live_parameters", "stage3_max_reuse_distance") if k not in zero}
+    limits = {"stage3_max_live_parameters": 2 * layer, "stage3_max_reuse_distance": 2 * layer,
+              "stage3_prefetch_bucket_size": layer}
+    set_here = {k: v for k, v in limits.items() if k not in zero}
     zero.update(set_here)
     if set_here and announce:
-        print(f"selfdraft: ZeRO-3 keeps at most {2 * layer:,} gathered parameters alive (two decoder layers; "
-              "set stage3_max_live_parameters and stage3_max_reuse_distance in a deepspeed_config_file to change it)",
-              file=sys.stderr, flush=True)
+        print(f"selfdraft: ZeRO-3 keeps at most {2 * layer:,} gathered parameters alive and prefetches {layer:,} "
+              "(two decoder layers and one; set stage3_max_live_parameters, stage3_max_reuse_distance and "
+              "stage3_prefetch_bucket_size in a deepspeed_config_file to change it)", file=sys.stderr, flush=True)
 
 
 def _partitioned_creation(accelerator):

@@ -37,6 +37,7 @@ from selfdraft.configs.run import MedusaConfig, RunConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.heads.medusa import MedusaHeads
 from selfdraft.train.features import feature_layers, target_features
+from selfdraft.train.profile import phase, recording
 
 LOSS_CHUNK_ELEMENTS = 1 << 24
 """Logits the losses hold at once, positions x vocabulary: a chunk has three or four fp32 tensors of
@@ -97,6 +98,12 @@ def _unshard_units(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.unshard()
+
+
+def _segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) conversation number of each position of a packed batch: positions restart at 0 where a
+    conversation (or a row's trailing padding) begins (``train.loop.collate``)."""
+    return (position_ids == 0).cumsum(-1)
 
 
 def _subtree(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -223,7 +230,9 @@ class _HeadLossFunction(torch.autograd.Function):
                     logits = F.linear(h, weight, bias)  # (c, V) in the matmul dtype
                     label = label_all[local]
                     if ranks:  # the rank of the label among the logits, for the sparse tree
-                        rank = (logits > logits.gather(-1, label[:, None])).sum(-1)  # (c,)
+                        rank = (logits > logits.gather(-1, label.clamp(min=0)[:, None])).sum(-1)  # (c,)
+                        # A label outside the drafter's vocabulary (EAGLE-3: -1) has no rank: never a hit.
+                        rank = torch.where(label >= 0, rank, logits.shape[-1])
                         table[g, 1] += (rank == 0).sum()
                         table[g, 2] += (rank < top_k).sum()
                         table[g, 3:] += torch.bincount(rank.clamp(max=ranks), minlength=ranks + 1)[:ranks]
@@ -372,19 +381,27 @@ class MedusaObjective(nn.Module):
         return self.target.get_output_embeddings()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                features: torch.Tensor | None = None):
+                features: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
         cfg = self.config
         lm_head = _linear(self._lm_head(), "the target's LM head")
+        packed = position_ids is not None
+        segments = _segments(position_ids) if packed else None
         if self.lora:  # Medusa-2: the adapted target runs with gradients, its features are not fixed
             if features is not None:
                 raise SelfdraftError("Medusa-2 trains the target: precomputed features do not apply")
             # logits_to_keep=1: the losses project the hidden states themselves, a chunk at a time.
-            out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                              logits_to_keep=1)
+            with phase("target forward (LoRA, with gradients)"):
+                # Packed: no attention mask, so that transformers keeps attention within each conversation.
+                # use_cache=False: with a cache, transformers does not look for packed sequences.
+                out = self.target(input_ids=input_ids, attention_mask=None if packed else attention_mask,
+                                  position_ids=position_ids, output_hidden_states=True, use_cache=False,
+                                  logits_to_keep=1)
             hidden = out.hidden_states[-1]  # (B, T, D) final normed state, with LoRA gradients
         else:
             if features is None:
-                features = target_features(self.target, input_ids, attention_mask, self.feature_layers)
+                with phase("target forward"):
+                    features = target_features(self.target, input_ids, attention_mask, self.feature_layers,
+                                               position_ids)
             hidden = features[:, :, -1]  # (B, T, D): final normed state, lm_head(hidden) == logits
         heads_dtype = next(self.heads.parameters()).dtype
         B, T = input_ids.shape
@@ -399,6 +416,8 @@ class MedusaObjective(nn.Module):
         for k in range(K):
             n = max(0, T - 2 - k)  # positions t with a token t+2+k (none in a short batch: an empty group)
             sel = mask[:, 2 + k:]  # (B, n): is the predicted token t+2+k an assistant token
+            if packed:  # ... of the conversation of position t
+                sel = sel & (segments[:, 2 + k:] == segments[:, :n])
             if self.training and cfg.position_fraction < 1:
                 sel = sel & (torch.rand(sel.shape, device=device) < cfg.position_fraction)
             at = torch.zeros(B, T, dtype=torch.bool, device=device)
@@ -410,7 +429,8 @@ class MedusaObjective(nn.Module):
             # Every head runs, on zero rows when the batch has none for it (collective safety, _zero_loss).
             # The target's (maybe bf16) state, cast to the heads' fp32 master weights' dtype; then head k's
             # blocks (MedusaHeads.head_logits, less its vocabulary projection, which the loss applies).
-            h = self.heads.blocks[k](hidden[:, :sel.shape[1]][sel].to(heads_dtype))  # (M, D)
+            with phase("drafter forward"):
+                h = self.heads.blocks[k](hidden[:, :sel.shape[1]][sel].to(heads_dtype))  # (M, D)
             head = self.heads.lm_heads[k] if self.heads.lm_heads is not None else lm_head
             groups.append(_Group(h, head, head_rows, cfg.head_decay ** k))
         if cfg.labels == "target":
@@ -418,30 +438,35 @@ class MedusaObjective(nn.Module):
         else:
             following = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)  # (B, T): token u+1 at u
             teacher = _Teacher(labels=following[need])
-        total, table = _head_losses(groups, teacher, top_k=self.top_k, ranks=0 if self.training else R,
-                                    chunk_elements=self.chunk_elements)
+        with phase("losses"):
+            total, table = _head_losses(groups, teacher, top_k=self.top_k, ranks=0 if self.training else R,
+                                        chunk_elements=self.chunk_elements)
         loss = loss + total
         tokens = torch.tensor([float(len(g.rows)) for g in groups], device=device)
         stats = {"head_loss": table[:, 0] * tokens, "head_tokens": tokens, "top1": table[:, 1], "topk": table[:, 2],
                  "rank_hits": torch.zeros(K, R, device=device) if self.training else table[:, 3:]}
         if self.lora and cfg.lora.lm_loss_weight > 0:
-            lm_loss, lm_tokens = self._lm_loss(input_ids, attention_mask, mask, hidden, lm_head)
+            lm_loss, lm_tokens = self._lm_loss(input_ids, attention_mask, mask, hidden, lm_head, position_ids)
             loss = loss + cfg.lora.lm_loss_weight * lm_loss
             stats["lm_loss"] = (lm_loss.detach() * lm_tokens).reshape(1)
             stats["lm_tokens"] = torch.tensor([float(lm_tokens)], device=device)
         return loss, stats
 
-    def _lm_loss(self, input_ids, attention_mask, mask, hidden, lm_head):
+    def _lm_loss(self, input_ids, attention_mask, mask, hidden, lm_head, position_ids=None):
         """The target's own loss in Medusa-2, on positions that predict an assistant token: against the
         data (``ce``) or the target without its adapter (``kl``); hidden (B, T, D) with gradients."""
         sel = mask[:, 1:]  # (B, T-1)
+        if position_ids is not None:  # packed: the next token must be of the same conversation
+            segments = _segments(position_ids)
+            sel = sel & (segments[:, 1:] == segments[:, :-1])
         h = hidden[:, :-1][sel]  # (M, D)
         m = len(h)  # may be 0: the adapter-free forward still runs on every process (collective safety)
         if self.config.lora.lm_loss == "ce":
             teacher = _Teacher(labels=input_ids[:, 1:][sel])
         else:
             with torch.no_grad(), self.target.disable_adapter():
-                ref = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                ref = self.target(input_ids=input_ids, attention_mask=None if position_ids is not None else attention_mask,
+                                  position_ids=position_ids, output_hidden_states=True, use_cache=False,
                                   logits_to_keep=1).hidden_states[-1]  # (B, T, D)
             teacher = _Teacher(hidden=ref[:, :-1][sel], head=lm_head)
         rows = torch.arange(m, device=h.device)
@@ -469,18 +494,26 @@ def draft_vocabulary(train_data, vocab_size: int, size: int) -> torch.Tensor:
     return torch.from_numpy(np.sort(order[:size]).copy())
 
 
-def _ttt_mask(length: int, step: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """EAGLE-3 training-time test attention at unrolled step j: (1, 1, L, (j+1) L) additive.
+def _ttt_mask(length: int, step: int, dtype: torch.dtype, device, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """EAGLE-3 training-time test attention at unrolled step j: (1, 1, L, (j+1) L) additive, or
+    (B, 1, L, (j+1) L) for a packed batch (``segments`` (B, L): each position's conversation).
 
     Query t sees step-0 keys (true target features) at positions <= t - j, and the key of step i
     (1 <= i <= j, the drafter's own features) at position t - j + i: exactly what a depth-(j+1) tree
-    node sees in decoding (the committed cache, then its ancestors, then itself)."""
+    node sees in decoding (the committed cache, then its ancestors, then itself). Packed, only keys of
+    its own conversation; step 0 is then the block-diagonal causal mask. Every query sees at least
+    its own step-j key, so no row of the softmax is empty."""
     t = torch.arange(length, device=device)[:, None]  # (L, 1)
     s = torch.arange(length, device=device)[None, :]  # (1, L)
     blocks = [s <= t - step] + [s == t - step + i for i in range(1, step + 1)]
     visible = torch.cat(blocks, dim=1)  # (L, (j+1) L)
-    mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    if segments is None:
+        mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=device)
+        return mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    same = (segments[:, :, None] == segments[:, None, :]).repeat(1, 1, step + 1)  # (B, L, (j+1) L)
+    visible = visible[None] & same
+    mask = torch.zeros(visible.shape[0], 1, *visible.shape[1:], dtype=dtype, device=device)
+    return mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
 
 
 class EagleObjective(nn.Module):
@@ -543,18 +576,20 @@ class EagleObjective(nn.Module):
         return drafter
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                features: torch.Tensor | None = None):
+                features: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
         from transformers import DynamicCache
 
         cfg = self.config
         if features is None:
-            features = target_features(self.target, input_ids, attention_mask, self.feature_layers)
+            with phase("target forward"):
+                features = target_features(self.target, input_ids, attention_mask, self.feature_layers, position_ids)
         lm_head = _linear(self.target.get_output_embeddings(), "the target's LM head")
         _unshard_units(self.drafter)
         B, T = input_ids.shape
         L = T - 1  # pair positions t = 0..T-2: (feature at t, token t+1)
         device, dtype = input_ids.device, next(self.drafter.parameters()).dtype
-        K, R = self.steps, 1
+        # Held out: how often the label has rank 0..R-1, R the tree's top-k (the predicted acceptance length).
+        K, R = self.steps, 1 if self.training else max(1, cfg.tree_top_k)
         stats = {"head_loss": torch.zeros(K, device=device), "head_tokens": torch.zeros(K, device=device),
                  "top1": torch.zeros(K, device=device), "topk": torch.zeros(K, device=device),
                  "rank_hits": torch.zeros(K, R, device=device)}
@@ -564,7 +599,12 @@ class EagleObjective(nn.Module):
         mask = (loss_mask.bool() & attention_mask.bool())[:, 2:]  # (B, T-2): token t+2 is an assistant token
         # The drafter's inputs in its fp32 master weights' dtype (the target's may be bf16).
         embeds = self.target.get_input_embeddings()(input_ids[:, 1:]).detach().to(dtype)  # (B, L, H)
-        positions = torch.arange(L, device=device)[None].expand(B, L)
+        if position_ids is None:
+            positions, segments = torch.arange(L, device=device)[None].expand(B, L), None
+        else:  # packed: pair t belongs to position t's conversation, and token t+2 must too
+            positions, segments = position_ids[:, :L], _segments(position_ids)
+            mask = mask & (segments[:, 2:] == segments[:, :-2])
+            segments = segments[:, :L]
         # The teacher: the target's view of token t+2, its final normed state at t+1 through its LM head,
         # computed by the loss at the supervised positions only.
         target_states = features[:, 1:T - 1, -1]  # (B, T-2, H)
@@ -573,20 +613,25 @@ class EagleObjective(nn.Module):
             x = feats[:, :-1]
             if self.training and cfg.feature_noise > 0:
                 x = x + (torch.rand_like(x) * 2 - 1) * cfg.feature_noise
-            pred = self.drafter(x, embeds, positions, None)[:, : T - 2]  # (B, T-2, H) ~ f_{t+1}
+            with phase("drafter forward, step 0"):
+                causal = None if segments is None else _ttt_mask(L, 0, dtype, device, segments)
+                pred = self.drafter(x, embeds, positions, causal)[:, : T - 2]  # (B, T-2, H) ~ f_{t+1}
             p_hat, f_true = pred[mask], feats[:, 1:T - 1][mask]  # (M, H); M may be 0 (collective safety)
             m = len(p_hat)
             reg = F.smooth_l1_loss(p_hat, f_true, reduction="sum") / max(1, p_hat.numel())  # the mean, 0 if empty
             # EagleDrafter.logits(p_hat, lm_head) == lm_head(p_hat): the target's head, full vocabulary.
             group = _Group(p_hat, lm_head, torch.arange(m, device=device), 1.0)
-            kl, table = _head_losses([group], _Teacher(hidden=target_states[mask], head=lm_head), top_k=self.top_k,
-                                     ranks=0, chunk_elements=self.chunk_elements)
+            with phase("losses"):
+                kl, table = _head_losses([group], _Teacher(hidden=target_states[mask], head=lm_head), top_k=self.top_k,
+                                         ranks=0 if self.training else R, chunk_elements=self.chunk_elements)
             loss = loss + cfg.regression_weight * reg + cfg.kl_weight * kl
             self._stats(stats, [0], table, [m])
             return loss, stats
         # EAGLE-3: fused features of three layers, unrolled on its own outputs.
         aux = features[:, :-1, :-1].flatten(2).to(dtype)  # (B, L, 3H): the aux layers side by side
-        feature = self.drafter.fuse(aux)  # (B, L, H)
+        with phase("drafter forward, fuse"):
+            feature = self.drafter.fuse(aux)  # (B, L, H)
+        marks = [("drafter backward, fuse", feature)]
         draft_ids = self.drafter.draft_to_target()  # (V',)
         # The label is the target's own argmax, as a draft id (-1 when outside the draft vocabulary).
         to_draft = torch.full((self.drafter.vocab_size,), -1, dtype=torch.long, device=device)
@@ -595,8 +640,12 @@ class EagleObjective(nn.Module):
         t_index = torch.arange(T - 2, device=device)[None]  # (1, T-2)
         outputs, selections = [], []
         for j in range(K):
-            step_out = self.drafter(feature, embeds, positions, _ttt_mask(L, j, dtype, device), cache=cache)  # (B, L, H)
-            selections.append(mask & (t_index >= j))  # position t has j own-feature ancestors only if t >= j
+            with phase(f"drafter forward, step {j}"):
+                step_out = self.drafter(feature, embeds, positions, _ttt_mask(L, j, dtype, device, segments),
+                                        cache=cache)  # (B, L, H)
+            marks.insert(0, (f"drafter backward, step {j}", step_out))
+            # Position t has j own-feature ancestors only if it is at least j into its conversation.
+            selections.append(mask & ((t_index if segments is None else positions[:, :T - 2]) >= j))
             outputs.append(step_out)
             feature = torch.cat([torch.zeros_like(step_out[:, :1]), step_out[:, :-1]], dim=1)  # t takes t-1's output
         need, rows = _teacher_rows(selections)  # need == mask (step 0 selects all of it)
@@ -608,7 +657,11 @@ class EagleObjective(nn.Module):
             groups.append(_Group(h, self.drafter.lm_head, step_rows, cfg.step_decay ** j))
         # KL to the target's distribution restricted to the draft vocabulary and renormalised there.
         teacher = _Teacher(hidden=target_states[need], head=lm_head, columns=draft_ids, to_label=to_draft)
-        total, table = _head_losses(groups, teacher, top_k=self.top_k, ranks=0, chunk_elements=self.chunk_elements)
+        with phase("losses"):
+            total, table = _head_losses(groups, teacher, top_k=self.top_k, ranks=0 if self.training else R,
+                                        chunk_elements=self.chunk_elements)
+        if recording() is not None and recording().only is None and torch.is_grad_enabled():
+            recording().backward_marks(marks)
         loss = loss + total
         self._stats(stats, list(range(K)), table, [len(g.rows) for g in groups])
         return loss, stats
@@ -620,6 +673,8 @@ class EagleObjective(nn.Module):
             stats["head_loss"][index] = table[:, 0] * counts
             stats["head_tokens"][index] = counts
             stats["top1"][index], stats["topk"][index] = table[:, 1], table[:, 2]
+            if table.shape[1] > 3:  # rank hits (held out)
+                stats["rank_hits"][index] = table[:, 3:]
 
 
 def build_objective(config: RunConfig, target_model: nn.Module, train_data=None) -> nn.Module:

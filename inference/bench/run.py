@@ -17,6 +17,7 @@ import torch
 
 from selfdraft.configs.decode import DecodeConfig
 from selfdraft.errors import SelfdraftError
+from selfdraft.machine import cpu_flags
 from selfdraft.inference.bench.common import BASELINE, _warn
 from selfdraft.inference.bench.journal import JOURNAL, Journal, _ids_digest, _settings
 from selfdraft.inference.bench.methods import MethodChoice, parse_method, split_methods
@@ -88,18 +89,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor()
-
-
-def _cpu_flags() -> list[str]:
-    """The vector extensions that decide CPU speed here (FACTS.md: AVX2-only vs AVX-512 with bf16)."""
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have]
-    except OSError:
-        pass
-    return []
 
 
 def _gpu(device: torch.device) -> dict | None:
@@ -334,7 +323,7 @@ def _meta(target, choices, tasks, temps, max_new_tokens, limit, seed, command) -
         "selfdraft": __version__,
         "python": platform.python_version(),
         "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpu": _cpu_name(),
-                    "cpu_flags": _cpu_flags(), "cpus": os.cpu_count(),
+                    "cpu_flags": cpu_flags(), "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "gpu_details": _gpu(dev)},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command if command is not None else shlex.join(sys.argv),
