@@ -129,6 +129,16 @@ class Sweep:
                      f"train.num_threads={self.args.threads}", *arm["overrides"], *extra]
         return load_run_config(PRESET, overrides)
 
+    def asked_for(self, usable: int) -> int:
+        """data.max_conversations that renders ``usable`` training conversations (about 30% of ShareGPT's
+        have no assistant token within 512 tokens and are dropped)."""
+        from selfdraft.configs.schema import DataConfig
+        from selfdraft.heads.target import load_target_tokenizer
+        from selfdraft.train.data import conversations_for
+
+        tokenizer, _ = load_target_tokenizer("smollm2-135m")
+        return conversations_for(DataConfig(source="sharegpt-embedded"), tokenizer, usable) or usable
+
     def costs(self):
         """Seconds per conversation of the target's forward and of a cached step, from the online arm's
         calibration (the cache arms are sized from them before their cache exists)."""
@@ -167,7 +177,7 @@ class Sweep:
         else:  # a cache of its own, for `cache` epochs: N (f + E c) = budget
             if conversations is None:
                 f, c = self.costs()
-                conversations = record.get("conversations") or int(self.budget / (f + cache * c))
+                conversations = record.get("conversations") or self.asked_for(int(self.budget / (f + cache * c)))
             record["epochs_planned"] = cache
             features = self.out / name / "features"
             if "feature_seconds" not in record:
@@ -207,7 +217,10 @@ class Sweep:
                       last_eval={k: v for k, v in result.last_eval.items()},
                       curve=_curve(run_dir / "metrics.jsonl"))
         per_step = record["calibration"]["seconds_per_step"]
-        record["epochs"] = round(planned * record["calibration"]["conversations_per_step"] / record["conversations"], 2)
+        import datasets  # the conversations the run trained on: those with an assistant token within max_length
+
+        record["usable"] = datasets.load_from_disk(str(run_dir / "data" / "train")).num_rows
+        record["epochs"] = round(planned * record["calibration"]["conversations_per_step"] / record["usable"], 2)
         record["budget_seconds"] = round(feature_seconds + planned * per_step, 1)
         # what the steps took (calibration included): the budget's check, on a machine that stayed quiet
         record["spent_seconds"] = round(feature_seconds + record["calibration"].get("train_seconds", 0) + result.train_seconds, 1)
@@ -249,7 +262,7 @@ def _curve(metrics: pathlib.Path) -> list[dict]:
 def table(results: dict) -> str:
     meta = results["meta"]
     lines = [f"Budget {meta.get('budget_minutes')} min per arm; {meta.get('machine')}", "",
-             "| arm | conversations x epochs | steps | features (s) | held-out top-1 by depth | predicted tau | "
+             "| arm | conversations trained on x epochs | steps | features (s) | held-out top-1 by depth | predicted tau | "
              + " | ".join(f"{task} {label}: tau (speedup)" for task in ("mt_bench", "humaneval") for label in TREES) + " |",
              "|---" * (6 + 2 * len(TREES)) + "|"]
     for name, r in results["arms"].items():
@@ -261,7 +274,7 @@ def table(results: dict) -> str:
             for label in TREES:
                 b = r.get("bench", {}).get(task, {}).get(label)
                 cells.append(f"{b['tau']:.2f} ({b['speedup']:.2f}x){'' if b['exact'] else ' NOT EXACT'}" if b else "")
-        lines.append(f"| {name} | {r['conversations']} x {r['epochs']:.2f} | {r['planned_steps']} | "
+        lines.append(f"| {name} | {r.get('usable', r['conversations'])} x {r['epochs']:.2f} | {r['planned_steps']} | "
                      f"{r.get('feature_seconds', 0):.0f}{' (' + r['features_from'] + ')' if r.get('features_from') else ''} | "
                      f"{top1} | {r['last_eval'].get('eval/predicted_tau', 0):.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -232,8 +232,14 @@ def quickstart(qc: QuickstartConfig) -> dict:
         # The plan counts training conversations; the held-out share of data.max_conversations comes on top.
         held = 0.0 if config.data.eval_source else config.data.eval_fraction
         cps = config.train.micro_batch_size * config.train.grad_accum
-        # (at least a few batches' worth: conversations with no assistant token within max_length are dropped)
-        wanted = min(config.data.max_conversations or 10**9, max(4 * cps, math.ceil(plan["conversations"] / (1 - held))))
+        # The plan counts conversations the run trains on; those with no assistant token within max_length
+        # are dropped when rendering, so data.max_conversations asks for as many as render that many.
+        from selfdraft.heads.target import load_target_tokenizer
+        from selfdraft.train.data import conversations_for
+
+        usable = max(4 * cps, math.ceil(plan["conversations"] / (1 - held)))
+        tokenizer, _ = load_target_tokenizer(config.target.spec, trust_remote_code=config.target.trust_remote_code)
+        wanted = min(config.data.max_conversations or 10**9, conversations_for(config.data, tokenizer, usable) or 10**9)
         config = load_run_config(qc.config, [*overrides, f"data.max_conversations={wanted}",
                                              f"train.max_steps={plan['steps']}",
                                              f"train.features={'auto' if plan['features'] == 'cached' else ''}",

@@ -68,7 +68,7 @@ def test_features_auto_caches_a_run_that_reads_its_data_again_and_trains_as_onli
     cached = resolve_features(_config(tiny_target, tmp_path / "auto", "train.max_steps=12"))
     assert cached.train.features == str(tmp_path / "auto" / "features")
     assert (tmp_path / "auto" / "features" / "features.json").is_file()
-    assert "12 steps read 12 conversations 2.0 times: caching" in capsys.readouterr().out
+    assert "12 steps read each of data.max_conversations=12 at least 2.0 times" in capsys.readouterr().out
     a = train(cached)
     b = train(_config(tiny_target, tmp_path / "online", "train.max_steps=12", "train.features="))
     sa, sb = a.objective.trainable_state_dict(), b.objective.trainable_state_dict()

@@ -290,6 +290,18 @@ def test_build_datasets_split_is_deterministic_and_complete(tokenizer, tmp_path)
     assert [len(d) for d in build_datasets(one, tokenizer)] == [1, 0]
 
 
+def test_conversations_for_counts_the_ones_rendering_drops(tokenizer, tmp_path):
+    long_prompt = {"messages": [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]}
+    records = [messages_record(0), long_prompt, messages_record(1), long_prompt, long_prompt, messages_record(2)]
+    config = DataConfig(source=str(write_jsonl(tmp_path / "d.jsonl", records)), max_length=64, eval_fraction=0.0,
+                        max_conversations=1)  # the config's own limit is not the question asked
+    assert [data.conversations_for(config, tokenizer, n) for n in (0, 1, 2, 3)] == [0, 1, 3, 6]
+    assert data.conversations_for(config, tokenizer, 4) is None  # the source has only 3
+    for usable in (1, 2, 3):  # asking for that many renders exactly `usable` conversations
+        asked = dataclasses.replace(config, max_conversations=data.conversations_for(config, tokenizer, usable))
+        assert sum(len(split) for split in build_datasets(asked, tokenizer)) == usable
+
+
 @pytest.mark.embedded
 def test_eval_source_is_the_held_out_split_whatever_the_training_data(tokenizer, tmp_path):
     """With data.eval_source every conversation of the source trains, and runs over different amounts

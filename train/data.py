@@ -393,6 +393,21 @@ def _rendered(conversations, tokenizer, max_length: int, processes: int, chunk: 
             yield from rendered
 
 
+def conversations_for(config: DataConfig, tokenizer, usable: int) -> int | None:
+    """The ``data.max_conversations`` that renders ``usable`` conversations: conversations with no
+    assistant token within ``max_length`` are dropped when rendering (about 30% of ShareGPT at 512
+    tokens), so a run that wants N conversations must ask for more. None when the source holds fewer."""
+    if usable <= 0:
+        return 0
+    found = 0
+    source = iter_conversations(dataclasses.replace(config, max_conversations=None))
+    for read, (_, mask) in enumerate(_rendered(source, tokenizer, config.max_length, 1), 1):
+        found += any(mask)
+        if found == usable:
+            return read
+    return None
+
+
 def build_datasets(config: DataConfig, tokenizer, processes: int = 1):
     """Render ``config.source`` into ``(train, eval)`` ``datasets.Dataset`` objects, with ``processes``
     worker processes (the result does not depend on their number).
