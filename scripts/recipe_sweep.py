@@ -8,7 +8,10 @@ Each arm is the ``eagle3_smollm2`` preset with some overrides, trained for ``--b
 compute: the optimizer steps, plus writing the feature cache for the arms that train from one (its
 measured seconds are charged to every arm that reads it). As ``selfdraft quickstart`` does, an arm
 times its first steps and then fixes ``train.max_steps`` so that the steps fill what is left of the
-budget; loading, evaluation and benching come on top. The factors:
+budget; loading, evaluation and benching come on top. An arm compared with a cache arm that ran in
+another session (the factors below) times that arm's step again and rescales the budget to the
+machine's speed today: the same kind of machine ran the same cached step in 1.76 s one session and
+1.34 s another, which a budget in seconds would have turned into more steps for the later arm. The factors:
 
 * **data reuse**: online features, one pass over as many conversations as the budget reaches, against
   a feature cache of fewer conversations read for E epochs (``cache-e2``, ``cache-e4``): the cache
@@ -16,8 +19,9 @@ budget; loading, evaluation and benching come on top. The factors:
   (README, "Where a training step's time goes");
 * learning rate, training-time-test steps and draft vocabulary size, on the best data-reuse setting's
   cache (the features do not depend on them);
-* **data**: ShareGPT answers as they are, or the target's own answers (``selfdraft distill``,
-  prepared by ``--distill`` before the arm; its cost is printed apart, as a data set is made once).
+* **data**: ShareGPT answers as they are, or the target's own answers (``selfdraft distill`` of the
+  best cache arm's conversations, made by the arm before it trains, here or with ``--distill-server``
+  through a serving engine; its cost is reported apart, as a data set is made once).
 
 Every arm is scored on the same held-out conversations (``data.eval_source``: the last
 ``--eval-conversations`` conversations of the embedded ShareGPT file, which no arm trains on), by
@@ -105,17 +109,27 @@ class Sweep:
         from selfdraft.heads.target import load_target
         from selfdraft.train.distill import DistillConfig, distill
 
-        folder = self.out / "distilled"
+        folder = self.out / "distilled-data"  # not the arm's own run folder, OUT/distilled
         meta = self.results["meta"].setdefault("distill", {})
         if meta.get("conversations") != conversations:
             self.phase(f"distill {conversations} conversations")
             began = time.perf_counter()
-            target = load_target("smollm2-135m", dtype="bfloat16" if self.args.distill_bf16 else "float32")
-            distill(target, DataConfig(source="sharegpt-embedded", max_conversations=conversations), folder,
-                    DistillConfig(max_new_tokens=self.args.distill_tokens, batch_size=self.args.distill_batch))
+            data = DataConfig(source="sharegpt-embedded", max_conversations=conversations)
+            settings = DistillConfig(max_new_tokens=self.args.distill_tokens, batch_size=self.args.distill_batch)
+            if self.args.distill_server:  # a serving engine generates; only the tokenizer is loaded here
+                from selfdraft.heads.target import load_target_tokenizer
+                from selfdraft.train.chat_server import ServerConfig
+                from selfdraft.train.distill import TargetText
+
+                server = ServerConfig(self.args.distill_server, concurrency=self.args.distill_batch).validate()
+                distill(TargetText(*load_target_tokenizer("smollm2-135m")), data, folder, settings, server=server)
+                how = f"server {self.args.distill_server}"
+            else:
+                dtype = "bfloat16" if self.args.distill_bf16 else "float32"
+                distill(load_target("smollm2-135m", dtype=dtype), data, folder, settings)
+                how = dtype
             meta.update(conversations=conversations, seconds=round(time.perf_counter() - began, 1),
-                        dtype="bfloat16" if self.args.distill_bf16 else "float32",
-                        max_new_tokens=self.args.distill_tokens)
+                        generated_by=how, max_new_tokens=self.args.distill_tokens)
             self.save()
         return str(folder)
 
@@ -148,6 +162,25 @@ class Sweep:
         per_conv_target = cal["target_seconds_per_step"] / cal["conversations_per_step"]
         per_conv_cached = (cal["seconds_per_step"] - cal["target_seconds_per_step"]) / cal["conversations_per_step"]
         return per_conv_target, per_conv_cached
+
+    def reference_speed(self, name: str, run_dir: pathlib.Path, reference: str) -> tuple[float, float]:
+        """Seconds per step of the cache arm ``reference`` when it ran and now (timed again in a scratch
+        folder of this arm: its own overrides, its own cache)."""
+        from selfdraft.train.budget import StepCosts
+        from selfdraft.train.loop import train
+
+        source = self.results["arms"][reference]
+        then = (source["calibration"]["seconds_per_step"] if "calibration" in source
+                else (self.budget - source["feature_seconds"]) / source["planned_steps"])
+        scratch = run_dir / f"calibration-{reference}"
+        if not (scratch / "costs.json").is_file():
+            config = self.config(name, {"overrides": source["overrides"]},
+                                 [f"train.features={source['features']}", f"data.max_conversations={source['conversations']}",
+                                  f"train.output_dir={scratch}"])
+            result = train(config, stop_after=self.args.calibration_steps)
+            costs = StepCosts.measured(result, config.train.micro_batch_size * config.train.grad_accum)
+            (scratch / "costs.json").write_text(json.dumps({"seconds_per_step": costs.seconds_per_step}))
+        return then, json.loads((scratch / "costs.json").read_text())["seconds_per_step"]
 
     def train_arm(self, name: str, arm: dict, best: str | None) -> None:
         from selfdraft.train import checkpoint as ckpt
@@ -205,7 +238,19 @@ class Sweep:
             record["calibration"] = {"seconds_per_step": per_step, "target_seconds_per_step": costs.target_seconds_per_step,
                                      "conversations_per_step": costs.conversations_per_step,
                                      "step_seconds": [round(x, 3) for x in first.step_seconds]}
-            record["planned_steps"] = max(first.step + 1, int((self.budget - feature_seconds) / per_step))
+            # Equal compute across sessions: the arm this one is compared with, timed again now, gives the
+            # machine's speed today against the session it ran in (the same cached step took 1.76 s in one
+            # session and 1.34 s in another on the same kind of machine); the budget and a cache written
+            # then are rescaled to today's seconds before they buy steps.
+            reference = cache if record.get("features_from") else best if arm.get("data") == "distilled" else None
+            budget, charged = self.budget, feature_seconds
+            if reference:
+                then, now = self.reference_speed(name, run_dir, reference)
+                record["calibration"].update(reference=reference, reference_seconds_then=then, reference_seconds_now=now)
+                budget = self.budget * now / then
+                if record.get("features_from"):
+                    charged = feature_seconds * now / then
+            record["planned_steps"] = max(first.step + 1, int((budget - charged) / per_step))
             record["calibration"]["train_seconds"] = first.train_seconds
             self.save()
         planned = record["planned_steps"]
@@ -305,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--distill-batch", type=int, default=16)
     parser.add_argument("--distill-bf16", action="store_true", help="distill with a bf16 target (faster where the "
                         "CPU has bf16 matmuls; answers then follow the bf16 target's greedy choices)")
+    parser.add_argument("--distill-server", default="", metavar="URL", help="distill through an OpenAI-compatible "
+                        "server serving the target (vLLM's CPU build: python -m vllm.entrypoints.openai.api_server "
+                        "--model TARGET_FOLDER), --distill-batch requests in flight")
     parser.add_argument("--no-bench", action="store_true")
     parser.add_argument("--table", action="store_true", help="only print the table of what has finished")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)  # ARM:train or ARM:bench, run by the driver

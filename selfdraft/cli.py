@@ -219,6 +219,8 @@ def _add_distill(sub) -> None:
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size)
     p.add_argument("--shard-size", type=_positive_int, default=d.shard_size)
     p.add_argument("--temperature", type=float, default=d.temperature, help="0: greedy answers")
+    p.add_argument("--max-prompt-tokens", type=_positive_int, default=d.max_prompt_tokens,
+                   help="a conversation whose context before a turn is longer stops before that turn")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on a CPU), float32 or bfloat16")
     p.add_argument("--device", default="cpu")
     s = p.add_argument_group("through a serving engine (the target's weights stay there; only its tokenizer is loaded)")
@@ -246,7 +248,8 @@ def _run_distill(args) -> int:
         target = load_target(args.target, dtype=args.dtype, device=args.device)
     out = distill(target, DataConfig(source=args.source, max_conversations=args.max_conversations), args.out,
                   DistillConfig(max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, batch_size=args.batch_size,
-                                shard_size=args.shard_size, temperature=args.temperature), server=server)
+                                shard_size=args.shard_size, temperature=args.temperature,
+                                max_prompt_tokens=args.max_prompt_tokens), server=server)
     print(f"wrote self-distilled conversations to {out} (use it as data.source={out})")
     return 0
 

@@ -20,8 +20,9 @@ class ScriptedServer:
     """A chat-completions server whose answer names the last user turn; ``fail`` maps the POST number
     (1-based) to an (HTTP status, body) reply instead."""
 
-    def __init__(self, model="served-smollm2"):
+    def __init__(self, model="served-smollm2", max_model_len=None):
         self.model, self.posts, self.fail, self.bodies = model, 0, {}, []
+        listed = {"id": model, "object": "model"} | ({"max_model_len": max_model_len} if max_model_len else {})
         self.lock = threading.Lock()
         outer = self
 
@@ -39,7 +40,7 @@ class ScriptedServer:
 
             def do_GET(self):
                 if self.path == "/v1/models":
-                    self._reply(200, {"object": "list", "data": [{"id": outer.model, "object": "model"}]})
+                    self._reply(200, {"object": "list", "data": [listed]})
                 else:
                     self._reply(404, {"error": "no such path"})
 
@@ -151,6 +152,21 @@ def test_bad_answers_are_clear_errors_and_leave_no_shard(server, target_text, so
     with pytest.raises(SelfdraftError, match=message):
         distill(target_text, source, out, DistillConfig(max_new_tokens=8, shard_size=5), server=fast(server.url, retries=1))
     assert not list(out.glob("shard-*")), "nothing half-written"
+
+
+def test_a_server_context_too_short_for_prompt_and_answer_is_refused_before_any_request(target_text, source, tmp_path):
+    # vLLM lists its --max-model-len; one of 1024 took 21 minutes of a real job to meet a 1024-token prompt
+    # (HTTP 400, "max_tokens must be at least 1"). Refused up front now, with the flag that fixes it.
+    srv = ScriptedServer(max_model_len=1024)
+    try:
+        with pytest.raises(SelfdraftError, match="context of 1024 tokens.*--max-model-len 1280"):
+            distill(target_text, source, tmp_path / "d", DistillConfig(max_new_tokens=256), server=fast(srv.url))
+        assert srv.posts == 0 and not (tmp_path / "d").exists()
+        out = distill(target_text, source, tmp_path / "ok", DistillConfig(max_new_tokens=256, max_prompt_tokens=768),
+                      server=fast(srv.url))
+        assert len((out / "shard-00000.jsonl").read_text().splitlines()) == 5
+    finally:
+        srv.close()
 
 
 def test_unreachable_server_writes_nothing(target_text, source, tmp_path):

@@ -62,7 +62,7 @@ class ChatServer:
 
     def __init__(self, config: ServerConfig):
         self.config = config.validate()
-        self.model = self._served_model()
+        self.model, self.context = self._served_model()
 
     # --- HTTP ----------------------------------------------------------------------------------------
 
@@ -104,19 +104,26 @@ class ChatServer:
 
     # --- the API -------------------------------------------------------------------------------------
 
-    def _served_model(self) -> str:
+    def _served_model(self) -> tuple[str, int | None]:
+        """The served model's name and its context in tokens (prompt and answer together), where the
+        listing says it: vLLM's and SGLang's ``/v1/models`` give ``max_model_len`` (the server's
+        ``--max-model-len`` / ``--context-length``); None where it does not (llama.cpp's server)."""
         listing = self._with_retries("GET", "/v1/models")
         try:
-            names = [str(m["id"]) for m in listing["data"]]
+            models = {str(m["id"]): m for m in listing["data"]}
         except (TypeError, KeyError) as err:
             raise SelfdraftError(f"{self.config.base}/v1/models is not an OpenAI model list: {str(listing)[:200]}") from err
+        names = list(models)
         if self.config.model is not None:
             if self.config.model not in names:
                 raise SelfdraftError(f"the server serves {names}, not {self.config.model!r}; fix --server-model")
-            return self.config.model
-        if len(names) != 1:
+            name = self.config.model
+        elif len(names) != 1:
             raise SelfdraftError(f"the server serves {len(names)} models ({names}): name one with --server-model")
-        return names[0]
+        else:
+            name = names[0]
+        context = models[name].get("max_model_len") if isinstance(models[name], dict) else None
+        return name, int(context) if isinstance(context, (int, float)) and context > 0 else None
 
     def answer(self, messages: Sequence[dict], *, max_tokens: int, temperature: float, seed: int | None) -> str:
         """The server's answer to one chat history (greedy at temperature 0)."""

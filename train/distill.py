@@ -133,6 +133,15 @@ def distill(target, data: DataConfig, out: str | os.PathLike, config: DistillCon
 
         client = ChatServer(server)  # reachable, and which model, before anything is written
         manifest["server"] = {"model": client.model}
+        needed = config.max_prompt_tokens + config.max_new_tokens
+        if client.context is not None and client.context < needed:
+            # vLLM caps max_tokens at what the context leaves, and refuses the request (HTTP 400) when
+            # a prompt fills it: found 21 minutes into a 1307-conversation job served at 1024 tokens.
+            raise SelfdraftError(
+                f"the server serves {client.model} with a context of {client.context} tokens, fewer than the "
+                f"longest prompt distill sends ({config.max_prompt_tokens} tokens, --max-prompt-tokens) plus "
+                f"{config.max_new_tokens} new tokens: serve it with --max-model-len {needed} or more (SGLang: "
+                "--context-length), or lower --max-prompt-tokens / --max-new-tokens")
 
         def answer(histories: list[list[dict]], seeds: list[int]) -> list[str]:
             return client.answer_all(histories, max_tokens=config.max_new_tokens, temperature=config.temperature,

@@ -39,7 +39,7 @@ def vllm_server(tmp_path_factory):
     # its server module is the same server, `vllm serve` without the CLI wrapper.
     command = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_folder("smollm2-135m")),
                "--served-model-name",
-               "smollm2", "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--host", "127.0.0.1",
+               "smollm2", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--host", "127.0.0.1",
                "--port", str(port)]
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
