@@ -99,6 +99,11 @@ def measured_acceptance(results: dict, method: str) -> dict | None:
                      f"prompts: {tasks}; `selfdraft bench --methods vllm:FOLDER` measures vLLM's chain"}
 
 
+def _times(speedup: float) -> str:
+    text = f"{speedup:.2f}x"
+    return f"{speedup:.3f}x" if speedup < 1.0 and text == "1.00x" else text
+
+
 def verdict(results: dict, drafter: str) -> dict:
     """Whether the trained drafter pays for itself: its speedup over no drafter on each bench task, and
     where it does not (below 1.0x), the fastest method measured on that task."""
@@ -108,24 +113,28 @@ def verdict(results: dict, drafter: str) -> dict:
             continue
         entry = tasks.setdefault(row["task"], {"drafter": None, "fastest": None})
         if row["method"] == drafter:
-            entry["drafter"] = round(row["speedup"], 3)
+            entry["drafter"] = row["speedup"]
         fastest = entry["fastest"]
         if fastest is None or row["speedup"] > fastest[1]:
-            entry["fastest"] = (row["method"], round(row["speedup"], 3))
+            entry["fastest"] = (row["method"], row["speedup"])
     pays = all(e["drafter"] is not None and e["drafter"] >= 1.0 for e in tasks.values())
     parts = []
     for task, e in tasks.items():
         if e["drafter"] is None:
             continue
-        text = f"{e['drafter']:.2f}x on {task}"
+        # Formatted from the measured value as the bench table formats it (rounding twice can disagree),
+        # with a third digit where two would show a slowdown as 1.00x.
+        text = f"{_times(e['drafter'])} on {task}"
         if e["drafter"] < 1.0:
             method, speedup = e["fastest"]
             name = "the trained drafter" if method == drafter else ("no drafter" if speedup == 1.0 else f"`{method}`")
-            text += f" (slower than no drafter; fastest measured there: {name}, {speedup:.2f}x)"
+            text += f" (slower than no drafter; fastest measured there: {name}, {_times(speedup)})"
         parts.append(text)
     summary = ("the trained drafter pays for itself: " if pays else
                "the trained drafter does NOT pay for itself on every task (more training, a GPU or bf16 hardware "
                "helps; see README): ") + ", ".join(parts)
+    tasks = {task: {"drafter": None if e["drafter"] is None else round(e["drafter"], 3),
+                    "fastest": (e["fastest"][0], round(e["fastest"][1], 3))} for task, e in tasks.items()}
     return {"pays_for_itself": pays, "tasks": tasks, "summary": summary}
 
 
