@@ -107,6 +107,8 @@ def _times(speedup: float) -> str:
 def verdict(results: dict, drafter: str) -> dict:
     """Whether the trained drafter pays for itself: its speedup over no drafter on each bench task, and
     where it does not (below 1.0x), the fastest method measured on that task."""
+    from selfdraft.inference.bench.common import BASELINE
+
     tasks: dict[str, dict] = {}
     for row in results["rows"]:
         if row["temperature"] != 0:
@@ -127,7 +129,7 @@ def verdict(results: dict, drafter: str) -> dict:
         text = f"{_times(e['drafter'])} on {task}"
         if e["drafter"] < 1.0:
             method, speedup = e["fastest"]
-            name = "the trained drafter" if method == drafter else ("no drafter" if speedup == 1.0 else f"`{method}`")
+            name = "the trained drafter" if method == drafter else ("no drafter" if method == BASELINE else f"`{method}`")
             text += f" (slower than no drafter; fastest measured there: {name}, {_times(speedup)})"
         parts.append(text)
     summary = ("the trained drafter pays for itself: " if pays else

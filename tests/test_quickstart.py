@@ -85,6 +85,8 @@ def test_the_verdict_names_the_fastest_method_where_the_drafter_does_not_pay():
     assert not judged["pays_for_itself"]
     assert "1.12x on mt_bench" in judged["summary"]
     assert "0.93x on humaneval (slower than no drafter; fastest measured there: `prompt-lookup`, 2.10x)" in judged["summary"]
+    slow = [dict(r, speedup=0.9) if r["method"] == "prompt-lookup" else r for r in rows]
+    assert "fastest measured there: no drafter, 1.00x" in verdict({"rows": slow}, "run/drafter")["summary"]
     rows[4]["speedup"] = 1.0151  # formatted as the bench table formats it, not rounded twice
     judged = verdict({"rows": rows}, "run/drafter")
     assert judged["pays_for_itself"] and "1.02x on humaneval" in judged["summary"]
