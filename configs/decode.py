@@ -1,7 +1,8 @@
-"""Decode options: how many tokens, how to sample, and how each built-in drafter shapes its tree.
+"""Decode options: how many tokens, how to sample, and the shape of every drafter's tree.
 
 Each field is documented once, here; the CLI and the Python API take their defaults from these
-dataclasses. ``validate()`` turns bad values into a :class:`SelfdraftError` that names the option.
+dataclasses. Every dataclass checks itself when it is made: a bad value is a :class:`SelfdraftError`
+that names the option.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class DecodeConfig:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> "DecodeConfig":
+    def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise SelfdraftError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not self.temperature >= 0.0:
@@ -53,7 +54,6 @@ class DecodeConfig:
             raise SelfdraftError("typical acceptance is a sampling mode: give temperature > 0 (greedy is exact anyway)")
         if self.acceptance == "typical" and not (0 < self.typical_epsilon <= 1 and self.typical_delta > 0):
             raise SelfdraftError("typical acceptance needs 0 < typical_epsilon <= 1 and typical_delta > 0")
-        return self
 
     @property
     def lossy(self) -> bool:
@@ -70,66 +70,50 @@ class PromptLookupConfig:
     min_ngram: int = 1
     """Shortest suffix n-gram that may produce a draft."""
     num_tokens: int = 4
-    """Draft tokens copied after a match (the depth of each branch). 4 suits a CPU, where verifying 5
-    tokens costs about one token's forward and more cost more: on SmolLM2-135M it ran at 1.23x / 1.92x
-    (MT-bench / HumanEval subsets) against 1.13x / 1.87x for 7 and 1.03x / 1.75x for 10; a GPU affords
-    longer drafts."""
+    """Draft tokens copied after a match (the depth of each branch). Short, for a CPU, where verifying
+    a few tokens costs about one token's forward and more cost more; a GPU affords longer drafts."""
     max_branches: int = 1
     """Distinct continuations (earliest matches first) merged into one tree; 1 drafts a chain."""
     max_nodes: int = 16
-    """Most draft tokens in one tree."""
+    """The node budget: most draft tokens in one tree."""
 
-    def validate(self) -> "PromptLookupConfig":
+    def __post_init__(self):
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise SelfdraftError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
         for name in ("num_tokens", "max_branches", "max_nodes"):
             if getattr(self, name) < 1:
                 raise SelfdraftError(f"prompt lookup {name} must be >= 1, got {getattr(self, name)}")
-        return self
 
 
 @dataclass(frozen=True)
-class DraftModelConfig:
-    """A separate small model with the target's tokenizer drafts a chain (top_k=1) or a tree."""
+class TreeConfig:
+    """The draft tree a trained drafter proposes per step: the one tree setting of every drafter kind,
+    in run configs (``drafter.tree``), exports, the CLI (``--tree-depth``, ``--tree-top-k``,
+    ``--max-nodes``) and bench options (``@depth=,top_k=,max_nodes=``).
 
-    depth: int = 4
-    """Draft steps per proposal (tree depth)."""
-    top_k: int = 1
-    """Children per expanded node, and nodes expanded per depth; 1 drafts a chain."""
-    max_nodes: int = 16
-    """Most draft tokens kept in the tree, best cumulative draft log-probability first."""
-
-    def validate(self) -> "DraftModelConfig":
-        for name in ("depth", "top_k", "max_nodes"):
-            if getattr(self, name) < 1:
-                raise SelfdraftError(f"draft model {name} must be >= 1, got {getattr(self, name)}")
-        return self
-
-
-@dataclass(frozen=True)
-class DynamicTreeConfig:
-    """EAGLE-2 dynamic tree: expand the top_k best nodes per depth, keep the max_nodes best overall.
-
-    The defaults suit a CPU: with the few-row kernel of ``heads/small_batch.py`` a verify forward over
-    5 tokens costs about one token's, over 8 tokens 1.3x, over 16 tokens 1.6x (SmolLM2-135M, 2-core
-    AVX2), and 3/2/4 was the fastest of 3/2/4, 3/4/7 and 4/4/15 for EAGLE-3 there (1.04x and 1.00x
-    on MT-bench and HumanEval subsets vs 0.97x/0.89x and 0.82x/0.74x). On a GPU EAGLE-2's own setting
-    (depth 6, top_k 10, max_nodes 60) verifies far larger trees for free.
-    """
+    Dynamic trees (EAGLE-2 style, and a draft model's) expand the ``top_k`` best nodes per depth into
+    their ``top_k`` best children and keep the ``max_nodes`` best overall; Medusa's sparse tree takes
+    the ``max_nodes`` most likely choices from its measured per-head accuracies (its depth is its
+    number of heads). The defaults are a small tree: on a CPU, verifying many more tokens than one
+    costs more than they bring; on a GPU, :data:`GPU_TREE` verifies a far larger tree for the same
+    forward."""
 
     depth: int = 3
     """Draft tokens along the deepest path (drafter forwards per proposal)."""
     top_k: int = 2
     """Children proposed per expanded node, and nodes expanded per depth."""
     max_nodes: int = 4
-    """Draft tokens kept in the tree, best cumulative draft log-probability first."""
+    """The node budget: draft tokens verified per step, best cumulative draft probability first."""
 
-    def validate(self) -> "DynamicTreeConfig":
+    def __post_init__(self):
         for name in ("depth", "top_k", "max_nodes"):
-            if getattr(self, name) < 1:
-                raise SelfdraftError(f"dynamic tree {name} must be >= 1, got {getattr(self, name)}")
-        return self
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SelfdraftError(f"tree {name} must be an integer >= 1, got {value!r}")
 
 
-GPU_DYNAMIC_TREE = DynamicTreeConfig(depth=6, top_k=10, max_nodes=60)
+
+GPU_TREE = TreeConfig(depth=6, top_k=10, max_nodes=60)
 """EAGLE-2's published setting, for GPUs."""
+DRAFT_MODEL_TREE = TreeConfig(depth=4, top_k=1, max_nodes=16)
+"""A separate draft model's default tree: a chain of four tokens (one drafter forward per token)."""

@@ -7,10 +7,12 @@ dotted key. The resolved config (``to_dict``) is saved next to every checkpoint 
 
 from __future__ import annotations
 
+import logging
 import pathlib
 from dataclasses import dataclass, field
 from typing import Literal
 
+from selfdraft.configs.decode import TreeConfig
 from selfdraft.configs.schema import DataConfig, apply_overrides, from_dict, load_yaml
 from selfdraft.errors import SelfdraftError
 
@@ -69,11 +71,9 @@ class MedusaConfig:
     dominates the cost (a CPU); evaluation always uses every position."""
     head_decay: float = 0.8
     """Loss weight of head k is head_decay**k (later heads are harder and matter less)."""
-    tree_nodes: int = 4
-    """Node budget of the sparse tree built from the measured per-head accuracies at export (4 was
-    faster than 7 and 16 on a 2-core CPU; raise it on a GPU, where verifying 64 tokens costs one)."""
     tree_ranks: int = 10
-    """Top-ranks measured per head for the sparse tree (accuracy of rank r for r < tree_ranks)."""
+    """Top-ranks measured per head for the sparse tree (accuracy of rank r for r < tree_ranks); its node
+    budget is ``drafter.tree.max_nodes``."""
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -102,19 +102,19 @@ class EagleConfig:
     """EAGLE-3: the target layers fused, as transformers ``hidden_states`` indices (index i is the
     input of decoder layer i); empty for the engines' default (2, L//2, L-3). Exports translate them
     into each engine's own convention."""
-    tree_depth: int = 3
-    tree_top_k: int = 2
-    tree_nodes: int = 4
-    """The EAGLE-2 dynamic tree stored with the export (decode defaults; a CPU-sized tree, see
-    :class:`~selfdraft.configs.decode.DynamicTreeConfig`)."""
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    kind: Literal["medusa", "eagle", "eagle3"] = "medusa"
-    """Which drafter to train: Medusa heads, EAGLE-1 or EAGLE-3."""
+    kind: str = "medusa"
+    """Which drafter to train: a registered kind (``medusa``, ``eagle`` for EAGLE-1, ``eagle3``;
+    ``selfdraft.heads.kinds`` lists them); an unknown name is refused with the known ones."""
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    """The draft tree stored with the export as its decode default, and scored by the held-out
+    evaluation's predicted acceptance length."""
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     eagle: EagleConfig = field(default_factory=EagleConfig)
+    """Options of the EAGLE kinds (``eagle`` and ``eagle3``)."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,12 @@ class TrainConfig:
     output_dir: str = "runs/medusa-smollm2"
     """Run folder: resolved config, checkpoints/, drafter/ (the native export), metrics.jsonl."""
     max_steps: int = 1000
-    """Optimizer steps."""
+    """Optimizer steps; with ``time_budget_minutes``, only the first plan of them."""
+    time_budget_minutes: float | None = None
+    """A deadline for the seconds spent in optimizer steps (loading, evaluation and saving come on
+    top): the run re-plans its number of steps from the step times it measures, so that it fills the
+    budget and ends by it, and the learning-rate schedule follows the plan
+    (``selfdraft.train.deadline``). 0 or null: off, the run takes ``max_steps`` steps."""
     micro_batch_size: int = 4
     """Conversations per forward pass per process."""
     grad_accum: int = 1
@@ -199,10 +204,12 @@ class RunConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
-    def validate(self) -> RunConfig:
+    def __post_init__(self):
         t, m = self.train, self.drafter.medusa
         checks = [
             (t.max_steps >= 1, "train.max_steps must be >= 1"),
+            (t.time_budget_minutes is None or t.time_budget_minutes >= 0,
+             "train.time_budget_minutes must be >= 0 (0 or null: no time budget)"),
             (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
             (t.grad_accum >= 1, "train.grad_accum must be >= 1"),
             (t.lr > 0, "train.lr must be > 0"),
@@ -221,21 +228,46 @@ class RunConfig:
             (m.num_heads >= 1 and m.num_layers >= 0, "drafter.medusa needs num_heads >= 1 and num_layers >= 0"),
             (0 < m.position_fraction <= 1, "drafter.medusa.position_fraction must be in (0, 1]"),
             (0 < m.head_decay <= 1, "drafter.medusa.head_decay must be in (0, 1]"),
-            (m.tree_nodes >= 1 and m.tree_ranks >= 1, "drafter.medusa.tree_nodes and tree_ranks must be >= 1"),
+            (m.tree_ranks >= 1, "drafter.medusa.tree_ranks must be >= 1"),
             (m.lora.rank >= 0 and m.lora.lm_loss_weight >= 0, "drafter.medusa.lora.rank and lm_loss_weight must be >= 0"),
             (self.data.max_length >= 4, "data.max_length must be >= 4"),
             (self.drafter.eagle.ttt_steps >= 1 and 0 < self.drafter.eagle.step_decay <= 1,
              "drafter.eagle needs ttt_steps >= 1 and step_decay in (0, 1]"),
-            (not (t.features and self.drafter.kind == "medusa" and m.lora.rank > 0),
-             "train.features: Medusa-2 trains the target (LoRA), so its features cannot be precomputed"),
             (self.drafter.eagle.draft_vocab_size >= 2, "drafter.eagle.draft_vocab_size must be >= 2"),
-            (min(self.drafter.eagle.tree_depth, self.drafter.eagle.tree_top_k, self.drafter.eagle.tree_nodes) >= 1,
-             "drafter.eagle tree_depth, tree_top_k and tree_nodes must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
                 raise SelfdraftError(f"config: {message}")
-        return self
+
+
+_MOVED_TREE_KEYS = {("eagle", "tree_depth"): "depth", ("eagle", "tree_top_k"): "top_k", ("eagle", "tree_nodes"): "max_nodes",
+                    ("medusa", "tree_nodes"): "max_nodes"}
+"""Tree keys of configs written by selfdraft 0.1 (``drafter.eagle.tree_*``, ``drafter.medusa.tree_nodes``),
+now ``drafter.tree.*``."""
+_SECTION_OF_0_1_KIND = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle"}
+"""Which section's tree keys applied to each of selfdraft 0.1's kinds."""
+
+
+def upgrade_config_dict(data: dict) -> tuple[dict, list[str]]:
+    """A run config dict with selfdraft 0.1's tree keys moved to ``drafter.tree`` (those of the section
+    that applies to its kind win; the other section's are dropped, as they never applied), and one
+    line per key moved. Checkpoints and YAML files written before 0.2 load through it."""
+    drafter = data.get("drafter")
+    if not isinstance(drafter, dict):
+        return data, []
+    drafter = {k: dict(v) if isinstance(v, dict) else v for k, v in drafter.items()}
+    section_of_kind = _SECTION_OF_0_1_KIND.get(drafter.get("kind", DrafterConfig.kind))
+    tree, notes = dict(drafter.get("tree") or {}), []
+    for (section, old), new in _MOVED_TREE_KEYS.items():
+        values = drafter.get(section)
+        if isinstance(values, dict) and old in values:
+            value = values.pop(old)
+            if section == section_of_kind and new not in tree:
+                tree[new] = value
+            notes.append(f"drafter.{section}.{old} is now drafter.tree.{new}")
+    if notes:
+        drafter["tree"] = tree
+    return {**data, "drafter": drafter}, notes
 
 
 def presets() -> dict[str, pathlib.Path]:
@@ -253,5 +285,8 @@ def load_run_config(config: str | pathlib.Path | None = None, overrides: list[st
         if not path.is_file() and str(config) in presets():
             path = presets()[str(config)]
         data = load_yaml(path)
+    data, notes = upgrade_config_dict(data)
+    for note in notes:
+        logging.getLogger(__name__).warning("config %s: %s", config, note)
     data = apply_overrides(data, list(overrides))
-    return from_dict(RunConfig, data).validate()
+    return from_dict(RunConfig, data)

@@ -94,7 +94,11 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
             f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(prefix + k for k in unknown)}; "
             f"known keys here: {', '.join(prefix + k for k in sorted(fields))}"
         )
-    return cls(**{k: _check_type(v, hints[k], prefix + k) for k, v in data.items()})
+    values = {k: _check_type(v, hints[k], prefix + k) for k, v in data.items()}
+    try:
+        return cls(**values)
+    except SelfdraftError as err:  # a section's own __post_init__ check: name where it is
+        raise SelfdraftError(f"config {prefix.rstrip('.')}: {err}" if prefix else str(err)) from None
 
 
 def to_dict(config: Any) -> dict:

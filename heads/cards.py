@@ -10,38 +10,38 @@ from __future__ import annotations
 import json
 from typing import Any
 
-KIND_NAMES = {"medusa": "Medusa", "eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
+
+def vllm_command(target: str, folder: str, method: str, num_speculative_tokens: int) -> str:
+    """``vllm serve`` with a drafter: vLLM drafts a chain of ``num_speculative_tokens`` tokens."""
+    spec = json.dumps({"method": method, "model": folder, "num_speculative_tokens": num_speculative_tokens})
+    return f"vllm serve {target} --speculative-config '{spec}'"
 
 
-def serving_command(engine: str, kind: str, target: str, folder: str, depth: int, top_k: int, nodes: int) -> str:
-    """The shell command (or Python lines) that serves ``folder`` with ``target`` in ``engine``.
-    ``depth``/``top_k``/``nodes`` are our dynamic-tree settings (a chain for Medusa in vLLM)."""
-    if engine == "vllm":
-        method = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3"}[kind]
-        spec = json.dumps({"method": method, "model": folder, "num_speculative_tokens": depth})
-        return f"vllm serve {target} --speculative-config '{spec}'"
-    if engine == "sglang":
-        algorithm = "EAGLE3" if kind == "eagle3" else "EAGLE"
-        return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
-                f"--speculative-draft-model-path {folder} --speculative-num-steps {depth} "
-                f"--speculative-eagle-topk {top_k} --speculative-num-draft-tokens {nodes + 1}")
-    if engine == "eagle":  # SafeAILab/EAGLE: depth counts drafter forwards after the first, total_token includes the root
-        return ("from eagle.model.ea_model import EaModel\n"
-                f"model = EaModel.from_pretrained(base_model_path={target!r}, ea_model_path={folder!r},\n"
-                f"                                total_token={nodes + 1}, depth={max(depth - 1, 1)}, top_k={top_k}, "
-                f"use_eagle3={kind == 'eagle3'})")
-    raise ValueError(f"unknown engine {engine!r}")
+def sglang_command(target: str, folder: str, algorithm: str, depth: int, top_k: int, nodes: int) -> str:
+    """SGLang's server with an EAGLE-style drafter and its tree settings (``nodes`` draft tokens + the root)."""
+    return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
+            f"--speculative-draft-model-path {folder} --speculative-num-steps {depth} "
+            f"--speculative-eagle-topk {top_k} --speculative-num-draft-tokens {nodes + 1}")
 
 
-def model_card(*, engine: str, engine_name: str, kind: str, target: dict[str, Any], target_path: str, folder: str,
-               run_config: dict[str, Any] | None, evaluation: dict[str, Any] | None, tree: dict[str, int],
-               details: list[str], acceptance: dict[str, Any] | None = None) -> str:
-    """README.md text for an export. ``target`` is the recorded TargetIdentity dict; ``details`` are
-    layout lines (fused layers, draft vocabulary, ...); ``acceptance`` a measured
+ENGINE_NOTES = {
+    "vllm": ["vLLM drafts a chain of `num_speculative_tokens` tokens. `selfdraft bench --methods vllm:FOLDER` "
+             "decodes the same prompts in vLLM beside selfdraft's own loop.", ""],
+    "sglang": ["`--speculative-num-steps` is the tree depth, `--speculative-eagle-topk` the children per node, "
+               "`--speculative-num-draft-tokens` the tree's draft tokens plus one.", ""],
+}
+
+
+def model_card(*, engine: str, engine_name: str, title: str, target: dict[str, Any], folder: str,
+               run_config: dict[str, Any] | None, evaluation: dict[str, Any] | None, details: list[str],
+               command: str, acceptance: dict[str, Any] | None = None, python: bool = False) -> str:
+    """README.md text for an export of a ``title`` drafter (e.g. EAGLE-3) for ``engine``. ``target`` is
+    the recorded TargetIdentity dict; ``details`` are layout lines (fused layers, draft vocabulary,
+    ...); ``command`` serves it (Python lines when ``python``); ``acceptance`` a measured
     ``{"acceptance_length": float, "where": str}`` or None."""
     from selfdraft import __version__
 
-    name = KIND_NAMES[kind]
+    name = title
     lines = [f"# {name} drafter for {target['name']}, exported for {engine_name}", "",
              f"Written by selfdraft {__version__}. Weights: `model.safetensors`; layout: `config.json`.", "",
              "| | |", "|---|---|",
@@ -68,13 +68,7 @@ def model_card(*, engine: str, engine_name: str, kind: str, target: dict[str, An
     else:
         lines.append(f"| acceptance length | not measured yet: `selfdraft bench --methods "
                      f"{'vllm:' if engine == 'vllm' else ''}{folder}` measures it |")
-    command = serving_command(engine, kind, target_path, folder, tree["depth"], tree["top_k"], tree["max_nodes"])
-    lang = "python" if engine == "eagle" else "bash"
+    lang = "python" if python else "bash"
     lines += ["", f"## Serve it with {engine_name}", "", f"```{lang}", command, "```", ""]
-    if engine == "vllm":
-        lines += ["vLLM drafts a chain of `num_speculative_tokens` tokens. `selfdraft bench --methods vllm:FOLDER` "
-                  "decodes the same prompts in vLLM beside selfdraft's own loop.", ""]
-    elif engine == "sglang":
-        lines += ["`--speculative-num-steps` is the tree depth, `--speculative-eagle-topk` the children per node, "
-                  "`--speculative-num-draft-tokens` the tree's draft tokens plus one.", ""]
+    lines += ENGINE_NOTES.get(engine, [])
     return "\n".join(lines)

@@ -1,24 +1,23 @@
-"""Faster float32 linear layers for the few-row forwards of speculative decoding on a CPU.
+"""A faster float32 linear product for the few-row forwards of speculative decoding on a CPU.
 
 A tree verification runs the target over a handful of tokens (2-64 rows), and an EAGLE drafter over
-top_k rows per depth. On a CPU, ``F.linear(x, W)`` with 2-64 rows takes a general matrix-multiply
-path that costs far more than its one-row matrix-vector path: on the 2-core AVX2 machine this
-project is built on, SmolLM2-135M's 49152 x 576 LM head takes 7.8 ms for 1 row and 18.2 ms for
-2 rows, while the same product with the weight as the left operand, ``(W @ x.T).T``, takes 4.6 ms
-for 2 rows, 14 ms for 13 rows padded to 16 (20 ms with ``F.linear``); a whole forward over 4 tokens
-drops from 91 ms (1.7x a one-token forward) to 50 ms.
-Verifying a small tree then costs about what one decoding step costs, which is what makes drafting
-pay here.
+top_k rows per depth. On a CPU, ``F.linear(x, W)`` with a few rows takes a general matrix-multiply path
+that costs far more than its one-row matrix-vector path; the same product with the weight as the left
+operand, ``(W @ x.T).T``, stays close to the one-row cost. Verifying a small tree then costs about what
+one decoding step costs, which is what makes drafting pay on a CPU (docs/benchmarks.md has the figures).
 
-:func:`use_small_batch_matmul` gives every ``nn.Linear`` of a module that path for float32 CPU
-inputs of 2-64 rows; one row, more rows, other dtypes (bf16 gains nothing on a CPU without bf16
-instructions), other devices and autograd all take ``F.linear`` unchanged. The product is the same
-up to float32 rounding (another summation order, as any change of matrix-multiply kernel gives).
-``SELFDRAFT_SMALL_BATCH_MATMUL=0`` switches it off, e.g. to measure what it buys.
+:meth:`SmallBatchMatmul.apply` gives every ``nn.Linear`` of a module that path for float32 CPU inputs
+of 2-64 rows, and returns a handle whose :meth:`~SmallBatchMatmul.remove` gives the layers back their
+own ``forward``. One row, more rows, other dtypes (bf16 takes a different kernel on a CPU), other
+devices and autograd all take ``F.linear`` unchanged. The product is the same up to float32 rounding
+(another summation order, as any change of matrix-multiply kernel gives). The layers get an
+instance-level ``forward``: their class, parameters, state dict and hooks are untouched.
+``SELFDRAFT_SMALL_BATCH_MATMUL=0`` switches it off for a process, e.g. to measure what it buys.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import types
 
@@ -26,17 +25,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+logger = logging.getLogger(__name__)
+
 MAX_ROWS = 64
 """Above this many rows the general kernel is as fast (a prefill keeps it)."""
 DIRECT_ROWS = 5
 ROW_MULTIPLE = 8
-"""Up to DIRECT_ROWS rows go as they are; more are zero-padded to a multiple of ROW_MULTIPLE, since
-the kernel is slow on other row counts (LM head, unpadded: 9 ms for 8 rows, 22 ms for 13, 14 ms for 16)."""
+"""Up to DIRECT_ROWS rows go as they are; more are zero-padded to a multiple of ROW_MULTIPLE, the row
+counts the weight-first kernel handles at its best (others fall onto slower code paths)."""
 ENV = "SELFDRAFT_SMALL_BATCH_MATMUL"
 
 
 def enabled() -> bool:
-    """Whether :func:`use_small_batch_matmul` patches anything (``SELFDRAFT_SMALL_BATCH_MATMUL`` not 0)."""
+    """Whether :meth:`SmallBatchMatmul.apply` wraps anything (``SELFDRAFT_SMALL_BATCH_MATMUL`` not 0)."""
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -55,20 +56,77 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
-def use_small_batch_matmul(module: nn.Module) -> int:
-    """Give every ``nn.Linear`` in ``module`` the few-row path (an instance-level ``forward``, so
-    hooks and the class are untouched); returns how many layers it set, 0 when switched off."""
-    if not enabled():
-        return 0
-    count = 0
-    for layer in module.modules():
-        if type(layer) is nn.Linear and getattr(layer.forward, "__func__", None) is not _forward:
+def _is_wrapped(layer: nn.Module) -> bool:
+    return getattr(layer.__dict__.get("forward"), "__func__", None) is _forward
+
+
+class SmallBatchMatmul:
+    """The few-row path on the linear layers of one module: made by :meth:`apply`, undone by :meth:`remove`.
+
+    ``len(handle)`` is how many layers this handle wrapped (0 when every one already had the path, or
+    when ``SELFDRAFT_SMALL_BATCH_MATMUL=0``). A ``with`` block removes it at its end.
+    """
+
+    def __init__(self, layers: list[nn.Linear], owner: str):
+        self._layers = layers
+        self.owner = owner  # the wrapped module's class name, for messages
+
+    @classmethod
+    def apply(cls, module: nn.Module, *, reason: str = "") -> SmallBatchMatmul:
+        """Wrap every plain ``nn.Linear`` in ``module`` (itself included) that has not got the path yet.
+
+        Logs one INFO line with the count and ``reason`` (what the module's few-row forwards are).
+        Idempotent: layers already wrapped (by this or another handle) are left to their handle, so
+        applying twice wraps nothing the second time, and removing either handle never unwraps the
+        other's layers. Subclasses of ``nn.Linear`` (quantised or LoRA layers) and layers whose instance
+        already has a ``forward`` of its own (accelerate's offloading hooks) are not touched.
+        """
+        name = type(module).__name__
+        if not enabled():
+            logger.debug("few-row float32 kernel not applied to %s: %s=0", name, ENV)
+            return cls([], name)
+        linear = [m for m in module.modules() if type(m) is nn.Linear and not _is_wrapped(m)]
+        layers = [m for m in linear if "forward" not in m.__dict__]
+        for layer in layers:
             layer.forward = types.MethodType(_forward, layer)
-            count += 1
-    return count
+        if layers:
+            # A forward someone else set on the instance (accelerate's offloading hooks) is theirs: left alone.
+            skipped = len(linear) - len(layers)
+            foreign = f"; {skipped} with a forward of their own left as they are" if skipped else ""
+            logger.info("few-row float32 kernel on %d linear layers of %s%s, faster on a CPU for 2-%d rows%s "
+                        "(%s=0 turns it off)", len(layers), name, f" for {reason}" if reason else "", MAX_ROWS,
+                        foreign, ENV)
+        return cls(layers, name)
+
+    def remove(self) -> None:
+        """Give every layer this handle wrapped its class's ``forward`` back (bit-identical outputs to a
+        layer never wrapped). Idempotent."""
+        for layer in self._layers:
+            if _is_wrapped(layer):
+                del layer.forward
+        if self._layers:
+            logger.debug("few-row float32 kernel removed from %d linear layers of %s", len(self._layers), self.owner)
+        self._layers = []
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def __enter__(self) -> SmallBatchMatmul:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"SmallBatchMatmul({self.owner}: {len(self)} layers)"
+
+
+def use_small_batch_matmul(module: nn.Module, *, reason: str = "") -> SmallBatchMatmul:
+    """:meth:`SmallBatchMatmul.apply`: give every ``nn.Linear`` in ``module`` the few-row path; returns
+    the handle (``len()`` layers wrapped now, ``.remove()`` to undo)."""
+    return SmallBatchMatmul.apply(module, reason=reason)
 
 
 def uses_small_batch_matmul(module: nn.Module) -> bool:
     """Whether any ``nn.Linear`` in ``module`` has the few-row path."""
-    return any(getattr(layer.forward, "__func__", None) is _forward for layer in module.modules()
-               if isinstance(layer, nn.Linear))
+    return any(_is_wrapped(layer) for layer in module.modules() if isinstance(layer, nn.Linear))

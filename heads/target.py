@@ -1,10 +1,10 @@
 """The one place that loads a target model: a built-in name, a local HF folder or a hub name.
 
 Built-in targets ship as GGUF files inside registry packages. The first load converts the GGUF once
-into a safetensors folder under ``target_cache_dir()/<name>/`` (20-60 s); later loads read that folder
-(about 2 s). A folder is finished only when it holds the ``COMPLETE`` marker: conversion happens in a
-temporary folder next to it, which is renamed into place as a whole, so a crash or a concurrent process
-never leaves a half-written folder under the final name.
+into a safetensors folder under ``target_cache_dir()/<name>/``, since dequantising a GGUF is slow and
+reading safetensors is not; later loads read that folder. A folder is finished only when it holds the
+``COMPLETE`` marker: conversion happens in a temporary folder next to it, which is renamed into place as
+a whole, so a crash or a concurrent process never leaves a half-written folder under the final name.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import pathlib
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,9 +26,12 @@ import torch
 
 from selfdraft.errors import SelfdraftError
 from selfdraft.files import as_if_created
+from selfdraft.heads.small_batch import SmallBatchMatmul
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "COMPLETE"
 _UNBOUNDED_CONTEXT = 2**31 - 1  # max_context when a config has no max_position_embeddings
@@ -114,11 +117,17 @@ class TargetIdentity:
 
 @dataclass
 class Target:
-    """A loaded, frozen target: model in eval mode with no gradients, its tokenizer and identity."""
+    """A loaded, frozen target: model in eval mode with no gradients, its tokenizer and identity.
+
+    ``small_batch``: the few-row float32 kernel :func:`load_target` put on the model's linear layers
+    (:class:`~selfdraft.heads.small_batch.SmallBatchMatmul`), or None; ``target.small_batch.remove()``
+    gives the layers their own forward back.
+    """
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase | None
     identity: TargetIdentity
+    small_batch: SmallBatchMatmul | None = None
 
     @property
     def device(self) -> torch.device:
@@ -148,7 +157,7 @@ class Target:
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
     """A dtype name (or torch dtype) for weights on ``device``. ``auto`` is bfloat16 on a GPU (float16
     where it has no bf16) and float32 on a CPU, where token identity is checked. bfloat16 asked for on
-    a GPU without bf16 becomes float16, said on stderr."""
+    a GPU without bf16 becomes float16, with a warning."""
     dev = torch.device(device)
     if isinstance(dtype, str) and dtype.lower() == "auto":
         if dev.type != "cuda":
@@ -161,7 +170,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     else:
         raise SelfdraftError(f"unknown dtype {dtype!r}; use auto or one of {', '.join(_DTYPES)}")
     if resolved is torch.bfloat16 and dev.type == "cuda" and not torch.cuda.is_bf16_supported():
-        print(f"selfdraft: {torch.cuda.get_device_name(dev)} has no bfloat16: using float16", file=sys.stderr)
+        logger.warning("%s has no bfloat16: using float16", torch.cuda.get_device_name(dev))
         return torch.float16
     return resolved
 
@@ -268,8 +277,8 @@ def _materialise_builtin(spec: BuiltinTarget, root: pathlib.Path) -> pathlib.Pat
     root.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=root))
     try:
-        print(f"selfdraft: converting built-in target {spec.name} to safetensors in {final} "
-              f"(once, 20-60 s)", file=sys.stderr)
+        logger.info("converting built-in target %s to safetensors in %s (once; later loads read that folder)",
+                    spec.name, final)
         start = time.perf_counter()
         if spec.chunked:
             join_chunks(sources, work / spec.gguf_name, sha256=spec.sha256 or "", size=spec.size)
@@ -287,7 +296,7 @@ def _materialise_builtin(spec: BuiltinTarget, root: pathlib.Path) -> pathlib.Pat
         except OSError as err:  # a concurrent process finished first: its folder is as good as ours
             if not (final / COMPLETE_MARKER).is_file():
                 raise SelfdraftError(f"could not move the converted target into {final}: {err}") from err
-        print(f"selfdraft: converted {spec.name} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        logger.info("converted %s in %.0f s", spec.name, time.perf_counter() - start)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # only our own temporary folder
     return final
@@ -384,19 +393,29 @@ def load_target_tokenizer(spec: str, *, trust_remote_code: bool = False, cache_d
 
 def load_target(spec: str, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                 trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None,
-                model_loader=None) -> Target:
+                model_loader=None, small_batch_kernel: bool | None = None) -> Target:
     """Load a frozen target from a built-in name, a local HF model folder or a hub name, in ``dtype``
     (``auto``: bfloat16 on a GPU, float32 on a CPU; see :func:`resolve_dtype`).
 
     The model uses sdpa attention (custom 4D float masks work), is in eval mode, has no parameter
-    requiring grad, and lies on ``device`` in ``dtype``; on a CPU its linear layers take the few-row
-    float32 path of :mod:`selfdraft.heads.small_batch`. ``cache_dir`` is the root of the selfdraft
+    requiring grad, and lies on ``device`` in ``dtype``. ``cache_dir`` is the root of the selfdraft
     cache (default ``$SELFDRAFT_CACHE`` or ``~/.cache/selfdraft``). ``model_loader(folder, dtype,
     trust_remote_code)`` builds the model of a folder target in place of transformers' from_pretrained
     when it returns one (training's partitioned ZeRO-3 loading, ``train/partitioned.py``).
+
+    ``small_batch_kernel``: whether the model's linear layers get the few-row float32 kernel of
+    :mod:`selfdraft.heads.small_batch`, which makes verifying a small tree cost about one decoding
+    step on a CPU. None (the default) applies it to a float32 target on a CPU, the only inputs it
+    acts on; True applies it to a target on a CPU whatever its dtype (its forwards still choose per
+    call); False never. The handle is ``Target.small_batch`` (None when not applied):
+    ``target.small_batch.remove()`` turns it off. ``SELFDRAFT_SMALL_BATCH_MATMUL=0`` turns it off for
+    the whole process.
     """
     dev = _resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    if small_batch_kernel and dev.type != "cpu":
+        raise SelfdraftError(f"small_batch_kernel=True asked for on {dev}: the few-row kernel acts on CPU float32 "
+                             "forwards only; leave it None (automatic) or load the target with device='cpu'")
     path = pathlib.Path(str(spec)).expanduser()
     if str(spec) in BUILTIN_TARGETS:
         folder = _materialise_builtin(BUILTIN_TARGETS[str(spec)], target_cache_dir(cache_dir))
@@ -412,10 +431,10 @@ def load_target(spec: str, *, dtype: str | torch.dtype = "auto", device: str = "
     model.requires_grad_(False)
     if not any(p.is_meta for p in model.parameters()):  # meta: FSDP's loading on local rank 0 only (train/loop.py)
         model.to(dev)
-    if dev.type == "cpu":  # few-row forwards (tree verification) take the faster kernel; see small_batch.py
-        from selfdraft.heads.small_batch import use_small_batch_matmul
-
-        use_small_batch_matmul(model)
     if model.dtype != torch_dtype:
         raise SelfdraftError(f"target {spec} loaded as {model.dtype}, not the requested {torch_dtype}")
-    return Target(model=model, tokenizer=tokenizer, identity=target_identity(spec, model.config, tokenizer, type(model).__name__))
+    if small_batch_kernel is None:
+        small_batch_kernel = dev.type == "cpu" and torch_dtype == torch.float32
+    small_batch = SmallBatchMatmul.apply(model, reason="tree verification") if small_batch_kernel else None
+    identity = target_identity(spec, model.config, tokenizer, type(model).__name__)
+    return Target(model=model, tokenizer=tokenizer, identity=identity, small_batch=small_batch)

@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from selfdraft.configs.decode import DecodeConfig, DraftModelConfig, PromptLookupConfig
+from selfdraft.configs.decode import DecodeConfig, PromptLookupConfig, TreeConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.decode import speculative_decode
-from selfdraft.inference.drafters import Drafter, make_drafter
+from selfdraft.inference.drafters import Drafter
+from selfdraft.inference.specs import make_drafter
 from selfdraft.inference.session import CausalLMSession
 
 
@@ -82,12 +83,10 @@ def generate(
     seed: int | None = DecodeConfig.seed,
     stop_on_eos: bool = DecodeConfig.stop_on_eos,
     acceptance: str = DecodeConfig.acceptance,
-    medusa_nodes: int | None = None,
-    dynamic_tree=None,
+    tree: TreeConfig | dict | None = None,
     dtype: str = "auto",
     device: str = "cpu",
     prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
-    draft_model: DraftModelConfig = DraftModelConfig(),
 ) -> GenerationResult:
     """Decode one prompt with a drafter and return the text and acceptance statistics.
 
@@ -95,14 +94,15 @@ def generate(
     spec for :func:`~selfdraft.heads.target.load_target` (loaded with ``dtype`` and ``device``).
     ``drafter`` is a :class:`Drafter` or a spec: ``none``, ``prompt-lookup``, ``draft-model:SPEC``.
     Give either ``prompt`` (text; ``chat`` wraps it as a user turn) or ``input_ids``.
-    ``acceptance="typical"`` is Medusa's LOSSY typical acceptance (sampling only). ``medusa_nodes``
-    rebuilds an exported Medusa drafter's sparse tree for that node budget from its stored accuracies;
-    ``dynamic_tree`` (a DynamicTreeConfig) replaces an EAGLE drafter's stored dynamic tree.
+    ``acceptance="typical"`` is Medusa's LOSSY typical acceptance (sampling only). ``tree`` sets a
+    trained drafter folder's tree (a :class:`TreeConfig`, or a dict of the fields to change in its
+    stored tree, e.g. ``{"max_nodes": 8}``: a Medusa drafter then rebuilds its sparse tree for that node
+    budget from its stored accuracies).
     """
     config = DecodeConfig(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         stop_on_eos=stop_on_eos, acceptance=acceptance,
-    ).validate()
+    )
     if isinstance(target, str):
         from selfdraft.heads.target import load_target
 
@@ -110,8 +110,7 @@ def generate(
     if (prompt is None) == (input_ids is None):
         raise SelfdraftError("give exactly one of prompt (text) or input_ids")
     ids = list(input_ids) if input_ids is not None else encode_prompt(target.tokenizer, prompt, chat)
-    drafter = make_drafter(drafter, target, prompt_lookup=prompt_lookup, draft_model=draft_model, medusa_nodes=medusa_nodes,
-                           dynamic_tree=dynamic_tree)
+    drafter = make_drafter(drafter, target, tree=tree, prompt_lookup=prompt_lookup)
 
     session = CausalLMSession(target.model, hidden_layers=drafter.hidden_layers)
     out = speculative_decode(

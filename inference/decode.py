@@ -77,7 +77,6 @@ def speculative_decode(
     target's distribution (after temperature / top-k / top-p). ``sample_rule`` exists so the tests
     can plant a biased rule and show that they detect it.
     """
-    config.validate()
     prompt_ids = list(prompt_ids)
     if not prompt_ids:
         raise SelfdraftError("the prompt is empty: give at least one token")

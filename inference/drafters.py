@@ -1,4 +1,7 @@
-"""Drafters: anything that proposes a token tree for the current state, behind one interface.
+"""Drafters: anything that proposes a token tree for the current state, behind one interface, and the
+drafters that need no training (none, prompt lookup, a separate draft model). Trained kinds bring
+their own adapters (``selfdraft.heads.kinds``); ``selfdraft.inference.specs.make_drafter`` builds any
+drafter from its spec.
 
 A drafter keeps its own state explicitly: :meth:`Drafter.start` returns it, :meth:`Drafter.propose`
 and :meth:`Drafter.observe` take it and return it. The decoding loop does not care which drafter it
@@ -11,8 +14,9 @@ batched copy per proposal.
 
 from __future__ import annotations
 
-import sys
+import logging
 from abc import ABC, abstractmethod
+from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -20,10 +24,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from selfdraft.configs.decode import DraftModelConfig, DynamicTreeConfig, PromptLookupConfig
+from selfdraft.configs.decode import DRAFT_MODEL_TREE, PromptLookupConfig, TreeConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.session import CausalLMSession, StepOutput
 from selfdraft.inference.tree import DraftTree, grow_dynamic_tree
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,15 +47,17 @@ class Verified:
 
 def on_target(module: nn.Module, target_model, what: str, *, dtype: bool = True) -> nn.Module:
     """``module`` on the target's device and, with ``dtype``, in its dtype (floating tensors only: index
-    buffers keep theirs). Moves it in place and prints one line on stderr when that converts anything,
-    so a drafter saved or loaded elsewhere meets the target as a logged conversion, never as a device or
-    dtype mismatch in the middle of a forward."""
+    buffers keep theirs): the module itself when it already is, else a converted copy (the caller's
+    module is left as it was), with one logged line, so a drafter saved or loaded elsewhere meets the
+    target as a logged conversion, never as a device or dtype mismatch in the middle of a forward."""
     device, wanted = target_model.device, target_model.dtype if dtype else None
     have = next(module.parameters())
-    if have.device != device or (wanted is not None and have.dtype != wanted):
-        target = f"{device}/{wanted}" if wanted is not None else str(device)
-        print(f"selfdraft: {what} moved from {have.device}/{have.dtype} to {target} (the target's)", file=sys.stderr)
-    return module.to(device=device, dtype=wanted) if wanted is not None else module.to(device=device)
+    if have.device == device and (wanted is None or have.dtype == wanted):
+        return module
+    target = f"{device}/{wanted}" if wanted is not None else str(device)
+    logger.info("%s converted from %s/%s to %s (the target's), as a copy", what, have.device, have.dtype, target)
+    copy = deepcopy(module)
+    return copy.to(device=device, dtype=wanted) if wanted is not None else copy.to(device=device)
 
 
 class Drafter(ABC):
@@ -93,7 +101,7 @@ class PromptLookupDrafter(Drafter):
     name = "prompt-lookup"
 
     def __init__(self, config: PromptLookupConfig = PromptLookupConfig()):
-        self.config = config.validate()
+        self.config = config
 
     def propose(self, state, sequence):
         cfg = self.config
@@ -133,13 +141,13 @@ class DraftModelDrafter(Drafter):
 
     name = "draft-model"
 
-    def __init__(self, model, config: DraftModelConfig = DraftModelConfig(), target_vocab_size: int | None = None):
+    def __init__(self, model, tree: TreeConfig = DRAFT_MODEL_TREE, target_vocab_size: int | None = None):
         self.model = model
-        self.config = config.validate()
+        self.config = tree
         self.vocab_size = target_vocab_size or model.config.vocab_size
 
     @classmethod
-    def for_target(cls, draft, target, config: DraftModelConfig = DraftModelConfig()) -> "DraftModelDrafter":
+    def for_target(cls, draft, target, tree: TreeConfig = DRAFT_MODEL_TREE) -> "DraftModelDrafter":
         """Check that ``draft`` (a loaded Target) shares ``target``'s tokenizer, then wrap it, moved to the
         target's device if it is elsewhere (its dtype is its own: its logits are read in float32)."""
         mine, theirs = draft.identity, target.identity
@@ -150,7 +158,7 @@ class DraftModelDrafter(Drafter):
                 "a draft model must share the target's tokenizer"
             )
         model = on_target(draft.model, target.model, f"draft model {mine.name!r}", dtype=False)
-        return cls(model, config, target_vocab_size=theirs.vocab_size)
+        return cls(model, tree, target_vocab_size=theirs.vocab_size)
 
     def start(self, prompt_ids, prefill):
         session = CausalLMSession(self.model)
@@ -173,53 +181,3 @@ class DraftModelDrafter(Drafter):
                                  max_nodes=cfg.max_nodes, past=base)
         session.crop(base)
         return tree, session
-
-
-DRAFTER_KINDS = ("none", "prompt-lookup", "draft-model:SPEC", "PATH (a native drafter folder or a vLLM/SGLang EAGLE folder)")
-
-
-def make_drafter(
-    spec: str | Drafter,
-    target,
-    *,
-    prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
-    draft_model: DraftModelConfig = DraftModelConfig(),
-    medusa_nodes: int | None = None,
-    dynamic_tree: DynamicTreeConfig | None = None,
-) -> Drafter:
-    """Build a drafter from its CLI spec: ``none``, ``prompt-lookup``, ``draft-model:SPEC`` (SPEC as
-    for :func:`selfdraft.heads.target.load_target`, loaded with the target's dtype and device), or
-    the path of an exported drafter folder (checked against the target's identity)."""
-    if isinstance(spec, Drafter):
-        return spec
-    if spec == "none":
-        return NoDrafter()
-    if spec == "prompt-lookup":
-        return PromptLookupDrafter(prompt_lookup)
-    if spec.startswith("draft-model:") and spec[len("draft-model:") :]:
-        from selfdraft.heads.target import load_target
-
-        draft = load_target(spec[len("draft-model:") :], dtype=target.dtype, device=str(target.device))
-        return DraftModelDrafter.for_target(draft, target, draft_model)
-    from selfdraft.heads.io import is_drafter_folder
-
-    if is_drafter_folder(spec):
-        from selfdraft.heads.io import read_record
-
-        if read_record(spec).kind == "medusa":
-            from selfdraft.inference.medusa import drafter_from_folder
-
-            return drafter_from_folder(spec, target, tree_nodes=medusa_nodes)
-        from selfdraft.inference.eagle import drafter_from_folder
-
-        return drafter_from_folder(spec, target, dynamic_tree)
-    from selfdraft.heads.eagle_formats import is_engine_eagle_folder
-
-    if is_engine_eagle_folder(spec):  # a published or exported vLLM/SGLang EAGLE drafter
-        from selfdraft.heads.eagle_formats import import_eagle
-        from selfdraft.inference.eagle import EagleTreeDrafter
-
-        return EagleTreeDrafter(import_eagle(spec, target.model), target.model, dynamic_tree or DynamicTreeConfig())
-    raise SelfdraftError(
-        f"unknown drafter {spec!r}; choose one of: {', '.join(DRAFTER_KINDS)}"
-    )

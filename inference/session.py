@@ -21,6 +21,7 @@ from typing import Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
+from selfdraft.errors import SelfdraftError
 from selfdraft.inference.tree import DraftTree, TreeBuffers, additive_mask, tree_attention_mask
 
 
@@ -82,7 +83,8 @@ class CausalLMSession:
         """Feed a prompt (T tokens) into an empty cache; logits (1, V) at the last position only,
         hidden states (T, D) at every position."""
         if self.length:
-            raise RuntimeError("prefill needs an empty session")
+            raise SelfdraftError(f"prefill needs an empty session, this one holds {self.length} tokens: make a new "
+                                 "CausalLMSession per sequence, or crop(0) first, or extend() to continue this one")
         ids = torch.tensor(list(input_ids), dtype=torch.long, device=self.device)
         out = self._forward(ids, None, None, keep_logits=1)
         self.length = ids.numel()

@@ -24,7 +24,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from selfdraft.errors import SelfdraftError
+
 HOST = torch.device("cpu")
+
+
+class DraftTreeError(SelfdraftError, ValueError):
+    """A malformed draft tree, from a drafter (one's own, through the Python API). A ValueError too,
+    for callers that check values that way."""
 
 
 @dataclass(frozen=True)
@@ -47,14 +54,17 @@ class DraftTree:
 
     def __post_init__(self, host):
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
-            raise ValueError(f"tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} must be equal 1-D shapes")
+            raise DraftTreeError(f"a draft tree's tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} "
+                                 "must be 1-D tensors of one length (N,): the drafter built a bad tree; build it with "
+                                 "DraftTree.from_lists(tokens, parents)")
         if self.tokens.device != HOST or self.parents.device != HOST:
-            raise ValueError(f"a DraftTree is host-side structure: tokens ({self.tokens.device}) and parents "
-                             f"({self.parents.device}) must be CPU tensors; build it with DraftTree.from_lists")
+            raise DraftTreeError(f"a DraftTree is host-side structure: tokens ({self.tokens.device}) and parents "
+                                 f"({self.parents.device}) must be CPU tensors; build it with DraftTree.from_lists")
         if host is not None:  # cached_property values live in the instance dict
             self.__dict__.update(token_ids=tuple(host[0]), parent_ids=tuple(host[1]))
         if any(not -1 <= p < i for i, p in enumerate(self.parent_ids)):
-            raise ValueError(f"parents must satisfy -1 <= parents[i] < i, got {list(self.parent_ids)}")
+            raise DraftTreeError(f"a draft tree's parents must satisfy -1 <= parents[i] < i (a node after its parent, "
+                                 f"-1 for a child of the root), got {list(self.parent_ids)}: the drafter built a bad tree")
 
     @cached_property
     def token_ids(self) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from selfdraft.configs.decode import DecodeConfig
+from selfdraft.errors import SelfdraftError
 from selfdraft.inference.tree import TreeBuffers
 
 
@@ -38,7 +39,8 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p
     at least one).
     """
     if temperature <= 0:
-        raise ValueError("target_probs needs temperature > 0; greedy decoding uses the argmax")
+        raise SelfdraftError(f"target_probs needs temperature > 0, got {temperature!r}: greedy decoding takes the argmax "
+                             "of the logits (greedy_verify, choose_token with temperature 0) instead")
     scores = logits.double() / temperature
     if top_k > 0 and top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # (M, 1)

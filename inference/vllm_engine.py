@@ -45,18 +45,19 @@ def speculative_config(folder: str | os.PathLike, num_speculative_tokens: int | 
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise SelfdraftError(f"{folder} is not an exported drafter folder (config.json: {err})") from err
-    arch = (config.get("architectures") or [""])[0]
-    methods = {"MedusaModel": "medusa", "EagleLlamaForCausalLM": "eagle", "LlamaForCausalLMEagle3": "eagle3",
-               "Eagle3LlamaForCausalLM": "eagle3"}
-    if arch not in methods:
+    from selfdraft.heads.kinds import served_as
+
+    arch = (config.get("architectures") or [""])[0] if isinstance(config, dict) else ""
+    serving = served_as("vllm", config) if isinstance(config, dict) else None
+    if serving is None:
         raise SelfdraftError(f"{folder} is not a vLLM drafter export (architecture {arch!r}); write one with "
                              "`selfdraft export RUN --format vllm --out FOLDER`")
-    method = methods[arch]
     if num_speculative_tokens is None:
-        num_speculative_tokens = int(config["num_heads"]) if method == "medusa" else 3
-    if method == "medusa" and num_speculative_tokens != int(config["num_heads"]):
-        raise SelfdraftError(f"vLLM's Medusa drafts one token per head: num_speculative_tokens must be {config['num_heads']}")
-    return {"method": method, "model": str(folder), "num_speculative_tokens": int(num_speculative_tokens)}
+        num_speculative_tokens = serving["num_speculative_tokens"]
+    if serving["fixed"] and num_speculative_tokens != serving["num_speculative_tokens"]:
+        raise SelfdraftError(f"vLLM serves this {serving['method']} drafter with num_speculative_tokens "
+                             f"{serving['num_speculative_tokens']} only (one token per head), not {num_speculative_tokens}")
+    return {"method": serving["method"], "model": str(folder), "num_speculative_tokens": int(num_speculative_tokens)}
 
 
 def run_vllm(target: str | os.PathLike, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,

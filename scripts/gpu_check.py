@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -250,19 +251,19 @@ class Check:
         draft model: it accepts almost everything, which exercises long accepted paths)."""
         import torch
 
-        from selfdraft.configs.decode import GPU_DYNAMIC_TREE, DraftModelConfig, DynamicTreeConfig
-        from selfdraft.heads.eagle import EagleDrafter
-        from selfdraft.heads.medusa import MedusaHeads
+        from selfdraft.configs.decode import DRAFT_MODEL_TREE, GPU_TREE, TreeConfig
+        from selfdraft.heads.kinds.eagle import new_drafter
+        from selfdraft.heads.kinds.medusa.module import MedusaHeads
         from selfdraft.inference.drafters import DraftModelDrafter, NoDrafter, PromptLookupDrafter
-        from selfdraft.inference.eagle import EagleTreeDrafter
-        from selfdraft.inference.medusa import MedusaDrafter
+        from selfdraft.heads.kinds.eagle.decode import EagleTreeDrafter
+        from selfdraft.heads.kinds.medusa.decode import MedusaDrafter
 
         model = target.model
         text = model.config.get_text_config()
 
         def eagle(kind, tree):
             torch.manual_seed(1)
-            module = EagleDrafter(EagleDrafter.dims_for(model, kind, draft_vocab_size=4096 if kind == "eagle3" else None))
+            module = new_drafter(model, kind, draft_vocab_size=4096 if kind == "eagle3" else None)
             if kind == "eagle3":
                 module.set_vocab_map(torch.randperm(text.vocab_size)[:4096].sort().values)
             return EagleTreeDrafter(module, model, tree)
@@ -278,10 +279,10 @@ class Check:
         makers = {
             "none": NoDrafter,
             "prompt-lookup": PromptLookupDrafter,
-            "eagle3-60-nodes": lambda: eagle("eagle3", GPU_DYNAMIC_TREE),
-            "eagle-cpu-tree": lambda: eagle("eagle", DynamicTreeConfig()),
+            "eagle3-60-nodes": lambda: eagle("eagle3", GPU_TREE),
+            "eagle-cpu-tree": lambda: eagle("eagle", TreeConfig()),
             "medusa": medusa,
-            "self-draft-tree": lambda: DraftModelDrafter.for_target(target, target, DraftModelConfig(depth=4, top_k=2, max_nodes=30)),
+            "self-draft-tree": lambda: DraftModelDrafter.for_target(target, target, dataclasses.replace(DRAFT_MODEL_TREE, depth=4, top_k=2, max_nodes=30)),
         }
         return {k: v for k, v in makers.items() if which is None or k in which}
 
@@ -480,16 +481,16 @@ class Check:
         """EAGLE-3 (draft vocabulary 32k) proposal time by tree depth, top_k 10 and 60 nodes, at context 512."""
         import random
 
-        from selfdraft.configs.decode import DynamicTreeConfig
-        from selfdraft.heads.eagle import EagleDrafter
-        from selfdraft.inference.eagle import EagleTreeDrafter
+        from selfdraft.configs.decode import TreeConfig
+        from selfdraft.heads.kinds.eagle import new_drafter
+        from selfdraft.heads.kinds.eagle.decode import EagleTreeDrafter
         from selfdraft.inference.session import CausalLMSession
 
         torch = self.torch
         model = target.model
         vocab = model.config.get_text_config().vocab_size
         torch.manual_seed(3)
-        module = EagleDrafter(EagleDrafter.dims_for(model, "eagle3", draft_vocab_size=32000))
+        module = new_drafter(model, "eagle3", draft_vocab_size=32000)
         module.set_vocab_map(torch.randperm(vocab)[:32000].sort().values)
         rng = random.Random(1)
         ctx = 512 if not self.tiny else 64
@@ -498,7 +499,7 @@ class Check:
         reps = 10 if not self.tiny else 3
         rows = {}
         for depth in range(1, 9):
-            drafter = EagleTreeDrafter(module, model, DynamicTreeConfig(depth=depth, top_k=10, max_nodes=60))
+            drafter = EagleTreeDrafter(module, model, TreeConfig(depth=depth, top_k=10, max_nodes=60))
             session = CausalLMSession(model, hidden_layers=drafter.hidden_layers)
             state = drafter.start(ids, session.prefill(ids))
             samples = []
@@ -516,14 +517,14 @@ class Check:
     def bench(self, entry: dict) -> None:
         """``selfdraft bench`` on the device, fp32, with a random EAGLE-3 drafter folder: exactness and the
         machinery (timing with synchronisation, results.json's GPU record), not speed-ups (random drafts)."""
-        from selfdraft.heads.eagle import EagleDrafter
+        from selfdraft.heads.kinds.eagle import new_drafter
         from selfdraft.heads.io import DrafterRecord, save_drafter
         from selfdraft.inference.bench.run import run_bench
 
         torch = self.torch
         target = self.target("smollm2", torch.float32)
         torch.manual_seed(4)
-        module = EagleDrafter(EagleDrafter.dims_for(target.model, "eagle3", draft_vocab_size=4096))
+        module = new_drafter(target.model, "eagle3", draft_vocab_size=4096)
         module.set_vocab_map(torch.arange(4096))
         folder = save_drafter(self.work / "random-eagle3", module,
                               DrafterRecord(kind="eagle3", dims=module.dims, target=target.identity))

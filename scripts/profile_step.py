@@ -9,7 +9,7 @@ exactly as ``selfdraft train`` does, runs one warm-up step and then ``--steps`` 
 on the training stream's next micro batch, and prints the seconds per step spent in: data and
 collation, the target's forward (online features), each drafter forward (EAGLE-3: the fusion and every
 training-time-test step), the losses (the target's LM head for the teacher and the drafter's heads,
-with their gradients: ``train/objectives.py`` ``_head_losses``), each drafter backward, the rest of
+with their gradients: ``train/objectives.py`` ``head_losses``), each drafter backward, the rest of
 the backward, gradient clipping and the optimizer. Also: the share of the drafter's positions that
 are padding, the share of tokens that are supervised, and training tokens per second (all tokens of
 the conversations, as ``selfdraft train`` counts them). ``--json`` writes the figures.

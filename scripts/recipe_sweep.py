@@ -47,7 +47,7 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PRESET = "eagle3_smollm2"
-TREES = {"tree 3/2/4": "depth=3,top_k=2,nodes=4", "tree 4/3/7": "depth=4,top_k=3,nodes=7"}
+TREES = {"tree 3/2/4": "depth=3,top_k=2,max_nodes=4", "tree 4/3/7": "depth=4,top_k=3,max_nodes=7"}
 
 
 def arms(best_cache: str) -> dict[str, dict]:

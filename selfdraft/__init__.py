@@ -4,7 +4,7 @@ The top-level names are imported lazily so that ``import selfdraft`` (and the CL
 does not pay for torch and transformers.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
     "load_target": "selfdraft.heads.target",
@@ -12,7 +12,7 @@ _LAZY = {
     "TargetIdentity": "selfdraft.heads.target",
     "generate": "selfdraft.inference.api",
     "GenerationResult": "selfdraft.inference.api",
-    "make_drafter": "selfdraft.inference.drafters",
+    "make_drafter": "selfdraft.inference.specs",
     "run_bench": "selfdraft.inference.bench",
     "SelfdraftError": "selfdraft.errors",
 }

@@ -1,17 +1,22 @@
 """The ``selfdraft`` command: thin argument parsing over the Python API.
 
-Errors that a user can fix (a bad option, an unknown target, a prompt that does not fit) are printed
-as one line, without a traceback, and exit with status 2.
+Errors that a user can fix (a bad option, an unknown target, a prompt that does not fit) are logged
+as one line, without a traceback, and exit with status 2. Results go to stdout (the generated text,
+tables, where the files are); progress and warnings are log lines on stderr (:mod:`selfdraft.log`).
+Building the parser imports neither torch nor transformers, so ``--help`` is fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
 from selfdraft.errors import SelfdraftError
+
+logger = logging.getLogger(__name__)
 
 
 def _positive_int(text: str) -> int:
@@ -22,7 +27,7 @@ def _positive_int(text: str) -> int:
 
 
 def _add_generate(sub) -> None:
-    from selfdraft.configs.decode import DecodeConfig, DraftModelConfig, PromptLookupConfig
+    from selfdraft.configs.decode import DecodeConfig, PromptLookupConfig
 
     p = sub.add_parser(
         "generate",
@@ -31,7 +36,8 @@ def _add_generate(sub) -> None:
         "target's own greedy output in fp32; sampling keeps the target's distribution exactly.",
     )
     p.add_argument("--target", default="smollm2-135m", help="built-in name, local HF folder or hub name (default: %(default)s)")
-    p.add_argument("--drafter", default="none", help="none, prompt-lookup or draft-model:SPEC (default: %(default)s)")
+    p.add_argument("--drafter", default="none", help="none, prompt-lookup, draft-model:SPEC, or a drafter folder: native "
+                   "(any kind) or an engine export selfdraft reads (default: %(default)s)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=_positive_int, default=DecodeConfig.max_new_tokens)
@@ -50,35 +56,24 @@ def _add_generate(sub) -> None:
     g.add_argument("--lookup-max-ngram", type=_positive_int, default=PromptLookupConfig.max_ngram)
     g.add_argument("--lookup-tokens", type=_positive_int, default=PromptLookupConfig.num_tokens, help="draft tokens per match")
     g.add_argument("--lookup-branches", type=_positive_int, default=PromptLookupConfig.max_branches)
-    g = p.add_argument_group("draft model")
-    g.add_argument("--draft-depth", type=_positive_int, default=DraftModelConfig.depth)
-    g.add_argument("--draft-top-k", type=_positive_int, default=DraftModelConfig.top_k, help="1 drafts a chain")
-    g.add_argument("--tree-nodes", type=_positive_int, default=DraftModelConfig.max_nodes, help="draft token budget per step")
-    g = p.add_argument_group("trained drafter folder")
-    g.add_argument("--medusa-nodes", type=_positive_int, default=None,
-                   help="rebuild the Medusa sparse tree for this node budget from the accuracies stored with the drafter "
-                   "(default: the stored tree)")
-    g.add_argument("--eagle-tree", default=None, metavar="DEPTH,TOP_K,NODES",
-                   help="EAGLE-2 dynamic tree for an EAGLE drafter folder, e.g. 5,4,12 (CPU) or 6,10,60 (GPU); "
-                   "default: the tree stored with the drafter")
+    g = p.add_argument_group("the draft tree (of a drafter folder or draft-model:SPEC; default: the tree stored with "
+                             "the drafter, a chain of 4 for a draft model)")
+    g.add_argument("--tree-depth", type=_positive_int, default=None, help="draft tokens along the deepest path")
+    g.add_argument("--tree-top-k", type=_positive_int, default=None, help="children per expanded node (1: a chain)")
+    g.add_argument("--max-nodes", type=_positive_int, default=None,
+                   help="the node budget: draft tokens verified per step (a Medusa folder rebuilds its sparse tree for it "
+                   "from its stored accuracies; prompt lookup: default %d)" % PromptLookupConfig.max_nodes)
     p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args) -> int:
-    from selfdraft.configs.decode import DraftModelConfig, PromptLookupConfig
+    from selfdraft.configs.decode import PromptLookupConfig, TreeConfig
     from selfdraft.heads.target import load_target
     from selfdraft.inference.api import generate
 
-    from selfdraft.configs.decode import DynamicTreeConfig
-
-    DraftModelConfig(depth=args.draft_depth, top_k=args.draft_top_k, max_nodes=args.tree_nodes).validate()
-    dynamic_tree = None
-    if args.eagle_tree is not None:
-        try:
-            depth, top_k, nodes = (int(x) for x in args.eagle_tree.split(","))
-        except ValueError:
-            raise SelfdraftError(f"--eagle-tree wants DEPTH,TOP_K,NODES (three integers), got {args.eagle_tree!r}") from None
-        dynamic_tree = DynamicTreeConfig(depth=depth, top_k=top_k, max_nodes=nodes).validate()
+    tree = {k: v for k, v in (("depth", args.tree_depth), ("top_k", args.tree_top_k), ("max_nodes", args.max_nodes))
+            if v is not None}
+    TreeConfig(**tree)  # bad values are refused before the target loads
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     result = generate(
         target,
@@ -91,16 +86,14 @@ def _run_generate(args) -> int:
         top_p=args.top_p,
         seed=args.seed,
         acceptance="typical" if args.typical_acceptance else "exact",
-        medusa_nodes=args.medusa_nodes,
-        dynamic_tree=dynamic_tree,
+        tree=tree or None,
         prompt_lookup=PromptLookupConfig(
             max_ngram=args.lookup_max_ngram,
             min_ngram=1,
             num_tokens=args.lookup_tokens,
             max_branches=args.lookup_branches,
-            max_nodes=max(PromptLookupConfig.max_nodes, args.lookup_tokens),
+            max_nodes=args.max_nodes or max(PromptLookupConfig.max_nodes, args.lookup_tokens),
         ),
-        draft_model=DraftModelConfig(depth=args.draft_depth, top_k=args.draft_top_k, max_nodes=args.tree_nodes),
     )
     if args.json:
         print(json.dumps(result.to_dict()))
@@ -120,10 +113,12 @@ def _add_export(sub) -> None:
                        description="Write a trained drafter for a serving engine (with a README.md model card and the "
                        "command that serves it), or as selfdraft's native folder. A drafter the engine cannot load as "
                        "trained is refused with the reason; nothing is written then.")
-    p.add_argument("drafter", help="a training run folder (its drafter/, else its latest checkpoint) or a native drafter folder")
-    p.add_argument("--format", required=True, choices=["native", "vllm", "sglang", "eagle"],
-                   help="native, or an engine: vllm (Medusa, EAGLE-1, EAGLE-3), sglang (EAGLE-1, EAGLE-3; SpecForge "
-                   "reads the same layout) or eagle (the reference SafeAILab/EAGLE code)")
+    p.add_argument("drafter", help="a training run folder (its drafter/, else its latest checkpoint), a checkpoint folder "
+                   "or a native drafter folder")
+    p.add_argument("--format", required=True,
+                   help="native, or an engine layout the drafter's kind writes: vllm (Medusa, EAGLE-1, EAGLE-3), sglang "
+                   "(EAGLE-1, EAGLE-3; SpecForge reads the same layout) or eagle-reference (the reference "
+                   "SafeAILab/EAGLE code); an unknown name is refused with the ones that exist")
     p.add_argument("--out", required=True, help="folder to write (replaced atomically)")
     p.add_argument("--target", default=None, help="target spec, needed when the heads share its LM head (default: the recorded target)")
     p.set_defaults(func=_run_export)
@@ -152,9 +147,7 @@ def _run_train(args) -> int:
     from selfdraft.configs.run import load_run_config
     from selfdraft.train.loop import train
 
-    from selfdraft.train.budget import resolve_features
-
-    config = resolve_features(load_run_config(args.config, args.overrides))  # train.features: auto
+    config = load_run_config(args.config, args.overrides)  # train() decides train.features: auto
     result = train(config, resume=args.resume_from or args.resume)
     if result.drafter_dir is not None and int(os.environ.get("RANK", "0")) == 0:
         print(f"done: {result.step} steps, {result.train_tokens_per_second:.0f} training tokens/s; drafter in {result.drafter_dir}")
@@ -266,7 +259,7 @@ def _add_bench(sub) -> None:
         epilog="methods: none, prompt-lookup, draft-model:SPEC, hf-greedy (temperature 0), hf-sample (temperature > 0), "
         "hf-prompt-lookup (temperature 0), hf-assisted:SPEC, or a drafter folder (native Medusa / EAGLE-1 / EAGLE-3, "
         "vLLM/SGLang EAGLE layout).\noptions: METHOD@key=value,key=value, e.g. prompt-lookup@tokens=8, "
-        "runs/e3/drafter@depth=5,top_k=4,nodes=12, runs/m/drafter@medusa_nodes=16, hf-prompt-lookup@tokens=10, "
+        "runs/e3/drafter@depth=5,top_k=4,max_nodes=12, runs/m/drafter@max_nodes=16, hf-prompt-lookup@tokens=10, "
         "hf-assisted:SPEC@tokens=5.\ntasks: mt_bench (first turns, chat template; --limit takes the 8 categories in "
         "turn), mt_bench:CATEGORY, humaneval (raw completion), or a JSONL file of {\"prompt\": ..., \"id\": ..., "
         "\"chat\": true}.",
@@ -363,16 +356,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from selfdraft.log import setup_logging
+
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
+        setup_logging()  # a bad $SELFDRAFT_LOG_LEVEL is a SelfdraftError too
         return args.func(args)
     except SelfdraftError as err:
-        print(f"selfdraft: error: {err}", file=sys.stderr)
+        logger.error("%s", err)
         return 2
     except KeyboardInterrupt:
-        print("selfdraft: interrupted", file=sys.stderr)
+        logger.error("interrupted")
         return 130
 
 

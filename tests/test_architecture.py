@@ -22,19 +22,56 @@ def imported_modules(folder: pathlib.Path) -> dict[str, set[str]]:
     return found
 
 
+def side(path: str) -> str:
+    """The side of the one-way dependencies a file is on: its top folder, except that a drafter kind's
+    folder (heads/kinds/NAME/) holds the kind's training side (objective.py) and decoding side
+    (decode.py) beside its heads-level files; the registry reaches those two by import path only."""
+    parts = pathlib.PurePath(path).parts
+    if parts[:2] == ("heads", "kinds") and parts[-1] in ("objective.py", "decode.py"):
+        return {"objective.py": "train", "decode.py": "inference"}[parts[-1]]
+    return parts[0]
+
+
+def kind_side(module: str) -> str | None:
+    """``train`` / ``inference`` for a kind's objective / decode module name, else None."""
+    if module.startswith("selfdraft.heads.kinds.") and module.rsplit(".", 1)[-1] in ("objective", "decode"):
+        return {"objective": "train", "decode": "inference"}[module.rsplit(".", 1)[-1]]
+    return None
+
+
+def sources(*folders: str) -> dict[str, set[str]]:
+    found = {}
+    for folder in folders:
+        found.update(imported_modules(ROOT / folder))
+    return found
+
+
 def test_inference_and_heads_import_no_training_packages():
-    for folder in ("inference", "heads", "configs"):
-        for path, names in imported_modules(ROOT / folder).items():
-            bad = {n for n in names if n.split(".")[0] in TRAINING_ONLY or n.startswith("selfdraft.train")}
-            assert not bad, f"{path} imports training-only modules {sorted(bad)}"
+    for path, names in sources("inference", "heads", "configs").items():
+        if side(path) == "train":
+            continue
+        bad = {n for n in names if n.split(".")[0] in TRAINING_ONLY or n.startswith("selfdraft.train") or kind_side(n) == "train"}
+        assert not bad, f"{path} imports training-only modules {sorted(bad)}"
 
 
 def test_dependencies_point_one_way():
-    # configs <- heads <- {train, inference}
-    for path, names in imported_modules(ROOT / "configs").items():
-        assert not {n for n in names if n.startswith(("selfdraft.heads", "selfdraft.inference", "selfdraft.train"))}, path
-    for path, names in imported_modules(ROOT / "heads").items():
-        assert not {n for n in names if n.startswith(("selfdraft.inference", "selfdraft.train"))}, path
+    # configs <- heads <- {train, inference}; a kind's objective.py is train, its decode.py inference
+    for path, names in sources("configs", "heads", "inference").items():
+        if side(path) == "configs":
+            assert not {n for n in names if n.startswith(("selfdraft.heads", "selfdraft.inference", "selfdraft.train"))}, path
+        elif side(path) == "heads":
+            assert not {n for n in names if n.startswith(("selfdraft.inference", "selfdraft.train")) or kind_side(n)}, path
+        elif side(path) == "inference":
+            assert not {n for n in names if n.startswith("selfdraft.train") or kind_side(n) == "train"}, path
+
+
+def test_every_kind_folder_keeps_its_sides_apart():
+    folders = [p for p in (ROOT / "heads" / "kinds").iterdir() if p.is_dir() and (p / "__init__.py").is_file()]
+    assert folders, "no kind folders found"
+    for folder in folders:
+        for path, names in imported_modules(folder).items():
+            if side(path) == "inference":
+                assert not {n for n in names if n.split(".")[0] in TRAINING_ONLY}, path
 
 
 def test_installed_layout_has_no_top_level_heads_or_train():
@@ -51,6 +88,11 @@ def test_installed_layout_has_no_top_level_heads_or_train():
 
 
 def test_import_selfdraft_is_light():
-    code = "import sys, selfdraft, selfdraft.cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    """``import selfdraft``, and building the CLI's parser as ``selfdraft --help`` does (every subcommand's
+    options, their defaults read from the config dataclasses), import neither torch nor transformers."""
+    code = ("import sys, selfdraft, selfdraft.cli, selfdraft.log; selfdraft.log.setup_logging(); "
+            "print('torch' in sys.modules, 'transformers' in sys.modules); "
+            "parser = selfdraft.cli.build_parser(); "
+            "print('torch' in sys.modules, 'transformers' in sys.modules, len(parser.format_help()) > 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
-    assert out.stdout.split() == ["False", "False"], out.stdout
+    assert out.stdout.split() == ["False", "False", "False", "False", "True"], out.stdout

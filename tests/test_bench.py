@@ -34,14 +34,14 @@ def _tiny_llama(tokenizer, folder, seed):
 
 
 @pytest.fixture(scope="module")
-def tiny_draft(embedded_fp32, tmp_path_factory):
+def tiny_draft(smollm2_tokenizer, tmp_path_factory):
     """Another random Llama of the same shape and tokenizer: a draft model / assistant."""
-    return _tiny_llama(embedded_fp32.tokenizer, tmp_path_factory.mktemp("tiny-draft"), seed=1)
+    return _tiny_llama(smollm2_tokenizer, tmp_path_factory.mktemp("tiny-draft"), seed=1)
 
 
 def _medusa_folder(folder, identity, hidden, vocab):
-    from selfdraft.heads.io import DrafterRecord, medusa_dims, save_drafter
-    from selfdraft.heads.medusa import MedusaHeads
+    from selfdraft.heads.io import DrafterRecord, save_drafter
+    from selfdraft.heads.kinds.medusa.module import MedusaHeads
 
     torch.manual_seed(2)
     heads = MedusaHeads(hidden, vocab, num_heads=2, num_layers=1)
@@ -49,7 +49,7 @@ def _medusa_folder(folder, identity, hidden, vocab):
         for p in heads.parameters():
             p.add_(0.1 * torch.randn_like(p))
     decode = {"choices": [[0], [1], [0, 0]], "rank_accuracy": [[0.5, 0.2, 0.1], [0.3, 0.1, 0.05]]}
-    return save_drafter(folder, heads, DrafterRecord("medusa", medusa_dims(heads), identity, decode=decode))
+    return save_drafter(folder, heads, DrafterRecord("medusa", heads.dims, identity, decode=decode))
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +76,12 @@ def _flip_method() -> bench.Method:
     return bench.Method("flip", build, "changes the first token")
 
 
+@pytest.mark.slow
 def test_bench_writes_every_field_and_flags_an_inexact_method(tiny_target, tiny_draft, tiny_medusa, tmp_path,
                                                               monkeypatch, capsys):
     monkeypatch.setitem(bench.METHODS, "flip", _flip_method())
-    methods = ["hf-greedy", "prompt-lookup@tokens=4,nodes=8", f"draft-model:{tiny_draft}@depth=3,top_k=2",
-               f"{tiny_medusa}@medusa_nodes=3", "flip", "hf-prompt-lookup@tokens=3"]
+    methods = ["hf-greedy", "prompt-lookup@tokens=4,max_nodes=8", f"draft-model:{tiny_draft}@depth=3,top_k=2",
+               f"{tiny_medusa}@max_nodes=3", "flip", "hf-prompt-lookup@tokens=3"]
     out = tmp_path / "out"
     results = bench.run_bench(str(tiny_target), methods, "mt_bench,humaneval", [0], max_new_tokens=8, limit=2, out=out,
                               progress=False, command="test")
@@ -133,7 +134,7 @@ def test_bench_writes_every_field_and_flags_an_inexact_method(tiny_target, tiny_
     for m in ["none", *methods]:
         assert sum(r["new_tokens"] for r in cats if r["method"] == m) == by["mt_bench", m]["new_tokens"]
 
-    warnings = re.findall(r"^WARNING: (\S+) is not token-identical to none on task (\S+) at temperature 0: 2 of 2 "
+    warnings = re.findall(r"^selfdraft: warning: (\S+) is not token-identical to none on task (\S+) at temperature 0: 2 of 2 "
                           r"prompts differ", err, flags=re.M)
     assert warnings == [("flip", "mt_bench"), ("flip", "humaneval")], err
     assert json.loads((out / "results.json").read_text()) == json.loads(json.dumps(results))
@@ -147,6 +148,7 @@ def test_bench_writes_every_field_and_flags_an_inexact_method(tiny_target, tiny_
     assert not [p for p in out.iterdir() if p.name.startswith(".")], "temporary files left behind"
 
 
+@pytest.mark.slow
 def test_temperature_one_rows_have_no_exactness_and_greedy_only_methods_are_skipped(tiny_target, tiny_draft, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Say hello.", "id": "hi"}\n\n{"prompt": "def add(a, b):", "chat": false}\n')
@@ -208,14 +210,14 @@ def test_bad_input_is_a_clear_error(tiny_target, tmp_path):
     other = TargetIdentity("other-model", "LlamaForCausalLM", 97, 64, 2, "abc123")
     foreign = _medusa_folder(tmp_path / "foreign", other, 64, 97)
     bad(methods=str(foreign), match=r"was trained for target 'other-model'.*hidden_size: 32 here, 64 in the drafter")
-    bad(methods=f"{foreign}@depth=3", match=r"unknown option 'depth'; valid options of medusa drafter folder: medusa_nodes")
+    bad(methods=f"{foreign}@depth=3", match=r"unknown option 'depth'; valid options of medusa drafter folder: max_nodes")
 
 
 def test_split_methods_and_round_robin():
     from selfdraft.inference.prompts import MT_BENCH_CATEGORIES, mt_bench_prompts, round_robin
 
-    assert bench.split_methods("none,runs/x/drafter@depth=5,top_k=4,nodes=12,prompt-lookup@tokens=8,hf-greedy") == [
-        "none", "runs/x/drafter@depth=5,top_k=4,nodes=12", "prompt-lookup@tokens=8", "hf-greedy"]
+    assert bench.split_methods("none,runs/x/drafter@depth=5,top_k=4,max_nodes=12,prompt-lookup@tokens=8,hf-greedy") == [
+        "none", "runs/x/drafter@depth=5,top_k=4,max_nodes=12", "prompt-lookup@tokens=8", "hf-greedy"]
     picked = round_robin(mt_bench_prompts(), 8)
     assert [p.category for p in picked] == list(MT_BENCH_CATEGORIES)
     assert len(round_robin(mt_bench_prompts())) == 80
@@ -227,7 +229,7 @@ def test_the_cli_runs_the_bench_and_reports_errors_in_one_line(tiny_target, tmp_
     from selfdraft.cli import main
 
     out = tmp_path / "cli"
-    code = main(["bench", "--target", str(tiny_target), "--methods", "none,prompt-lookup@tokens=4,nodes=8",
+    code = main(["bench", "--target", str(tiny_target), "--methods", "none,prompt-lookup@tokens=4,max_nodes=8",
                  "--methods", "hf-greedy", "--tasks", "mt_bench:coding", "--max-new-tokens", "8", "--limit", "1",
                  "--threads", "1", "--out", str(out)])
     captured = capsys.readouterr()
@@ -235,7 +237,7 @@ def test_the_cli_runs_the_bench_and_reports_errors_in_one_line(tiny_target, tmp_
     assert "mt_bench:coding, temperature 0 (1 prompts)" in captured.out and f"report: {out / 'report.md'}" in captured.out
     results = json.loads((out / "results.json").read_text())
     assert results["meta"]["command"].startswith("selfdraft bench --target") and results["meta"]["threads"] == 1
-    assert [r["method"] for r in results["rows"]] == ["none", "prompt-lookup@tokens=4,nodes=8", "hf-greedy"]
+    assert [r["method"] for r in results["rows"]] == ["none", "prompt-lookup@tokens=4,max_nodes=8", "hf-greedy"]
     assert all(r["exact"] for r in results["rows"]) and (out / "speedup.png").is_file()
 
     assert main(["bench", "--target", str(tiny_target), "--tasks", "nope", "--out", str(tmp_path / "bad")]) == 2
@@ -320,12 +322,12 @@ def test_an_interrupted_bench_resumes_from_its_journal(tiny_target, tmp_path, mo
 
 
 def test_plot_labels_are_short_and_tell_methods_apart():
-    methods = ["none", "prompt-lookup@tokens=4", "runs/eagle-smollm2/drafter@depth=3,top_k=2,nodes=4",
-               "runs/eagle3-smollm2/drafter@depth=3,top_k=2,nodes=4", "hf-assisted:models/draft@tokens=5",
+    methods = ["none", "prompt-lookup@tokens=4", "runs/eagle-smollm2/drafter@depth=3,top_k=2,max_nodes=4",
+               "runs/eagle3-smollm2/drafter@depth=3,top_k=2,max_nodes=4", "hf-assisted:models/draft@tokens=5",
                "/home/me/a/x/drafter", "/home/me/b/x/drafter"]
     labels = bench.method_labels(methods)
     assert labels["none"] == "none" and labels["prompt-lookup@tokens=4"] == "prompt-lookup@tokens=4"
-    assert labels["runs/eagle3-smollm2/drafter@depth=3,top_k=2,nodes=4"] == "eagle3-smollm2/drafter@depth=3,top_k=2,nodes=4"
+    assert labels["runs/eagle3-smollm2/drafter@depth=3,top_k=2,max_nodes=4"] == "eagle3-smollm2/drafter@depth=3,top_k=2,max_nodes=4"
     assert labels["hf-assisted:models/draft@tokens=5"] == "hf-assisted:models/draft@tokens=5"
     assert labels["/home/me/a/x/drafter"] == "a/x/drafter"  # two parts would not tell a/x from b/x
     assert len(set(labels.values())) == len(methods)

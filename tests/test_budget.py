@@ -88,3 +88,26 @@ def test_features_auto_caches_a_run_that_reads_its_data_again_and_trains_as_onli
     big = resolve_features(_config(tiny_target, tmp_path / "big", "train.max_steps=12"), max_gb=1e-6)
     assert big.train.features == "" and not (tmp_path / "big" / "features").exists()
     assert "the feature cache needs" in capsys.readouterr().out
+
+
+def test_the_feature_source_is_a_typed_choice():
+    from selfdraft.train.features import FeatureSource
+
+    assert FeatureSource.parse("") == FeatureSource("online") and FeatureSource.parse(None).kind == "online"
+    assert FeatureSource.parse("auto") == FeatureSource("auto")
+    cache = FeatureSource.parse("runs/x/features")
+    assert cache.kind == "cache" and str(cache.path) == "runs/x/features"
+    for value in ("", "auto", "runs/x/features"):
+        assert str(FeatureSource.parse(value)) == value
+
+
+def test_train_decides_features_auto_itself(tiny_target, tmp_path, capsys):
+    # train() from Python with train.features: auto, as the presets say: a cache here (each of 12
+    # conversations read twice), written before the run, streamed by it, and named in its config.yaml.
+    import yaml
+
+    result = train(_config(tiny_target, tmp_path / "run", "drafter.kind=medusa", "train.max_steps=12"))
+    assert "caching their features" in capsys.readouterr().out
+    assert result.drafter_dir is not None and result.target_seconds == 0  # no target forward: streamed
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["train"]["features"] == str(tmp_path / "run" / "features")

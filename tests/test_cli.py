@@ -32,6 +32,7 @@ def assert_clean_error(proc, *needles):
         assert needle in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.embedded
 def test_generate_json_has_every_field(embedded_fp32):
     proc = cli(
@@ -50,6 +51,7 @@ def test_generate_json_has_every_field(embedded_fp32):
     assert api.token_ids == out["token_ids"] and api.text == out["text"]
 
 
+@pytest.mark.slow
 @pytest.mark.embedded
 def test_generate_text_then_summary():
     proc = cli("generate", "--prompt", "def fib(n):", "--max-new-tokens", "8", "--temperature", "0.7", "--seed", "1")
@@ -62,6 +64,7 @@ def test_unknown_target_lists_the_builtins():
     assert_clean_error(cli("generate", "--target", "no-such-model", "--prompt", "hi"), "smollm2-135m", "qwen2.5-coder-0.5b")
 
 
+@pytest.mark.slow
 def test_bad_numbers_are_clear_errors():
     assert_clean_error(cli("generate", "--prompt", "hi", "--max-new-tokens", "0"), "max-new-tokens", ">= 1")
     assert_clean_error(cli("generate", "--prompt", "hi", "--top-p", "1.5"), "top_p")
@@ -70,6 +73,7 @@ def test_bad_numbers_are_clear_errors():
         generate(None, input_ids=[1, 2], max_new_tokens=0)
 
 
+@pytest.mark.slow
 @pytest.mark.embedded
 def test_mismatched_draft_tokenizer_is_refused(embedded_fp32, tmp_path):
     tok = embedded_fp32.tokenizer.__class__.from_pretrained(embedded_fp32.model.name_or_path)
@@ -84,24 +88,26 @@ def test_mismatched_draft_tokenizer_is_refused(embedded_fp32, tmp_path):
         generate(embedded_fp32, "hi", drafter=f"draft-model:{tmp_path}", max_new_tokens=4)
 
 
+@pytest.mark.slow
 @pytest.mark.embedded
-def test_prompt_longer_than_the_context(embedded_fp32, tmp_path):
+def test_prompt_longer_than_the_context(smollm2_tokenizer, tmp_path):
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)).save_pretrained(tmp_path)
-    embedded_fp32.tokenizer.save_pretrained(tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
     proc = cli("generate", "--target", str(tmp_path), "--prompt", "word " * 40, "--max-new-tokens", "4")
     assert_clean_error(proc, "context holds 16")
 
 
+@pytest.mark.slow
 @pytest.mark.embedded
 def test_export_to_vllm_from_the_cli(embedded_fp32, tmp_path):
-    from selfdraft.heads.formats import import_vllm_medusa
-    from selfdraft.heads.io import DrafterRecord, medusa_dims, save_drafter
-    from selfdraft.heads.medusa import MedusaHeads
+    from selfdraft.heads.kinds.medusa.formats import import_vllm_medusa
+    from selfdraft.heads.io import DrafterRecord, save_drafter
+    from selfdraft.heads.kinds.medusa.module import MedusaHeads
 
     heads = MedusaHeads(576, 49152, num_heads=2, num_layers=1)
-    native = save_drafter(tmp_path / "native", heads, DrafterRecord("medusa", medusa_dims(heads), embedded_fp32.identity))
+    native = save_drafter(tmp_path / "native", heads, DrafterRecord("medusa", heads.dims, embedded_fp32.identity))
     proc = cli("export", str(native), "--format", "vllm", "--out", str(tmp_path / "vllm"))
     assert proc.returncode == 0, proc.stderr
     back, shared = import_vllm_medusa(tmp_path / "vllm")
@@ -110,6 +116,7 @@ def test_export_to_vllm_from_the_cli(embedded_fp32, tmp_path):
     assert torch.equal(back(hidden, embedded_fp32.model.lm_head), heads(hidden, embedded_fp32.model.lm_head))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA says")
 def test_device_cuda_without_cuda_is_a_clear_error_in_every_command(tmp_path):
     for args in (["generate", "--prompt", "hi"], ["bench", "--methods", "prompt-lookup", "--out", str(tmp_path / "b")],

@@ -1,8 +1,10 @@
 """The typed config machinery: strict keys, typed values, dotted overrides, the decode configs."""
 
+import dataclasses
+
 import pytest
 
-from selfdraft.configs.decode import DecodeConfig, DraftModelConfig, PromptLookupConfig
+from selfdraft.configs.decode import DecodeConfig, DRAFT_MODEL_TREE, PromptLookupConfig
 from selfdraft.configs.schema import DataConfig, apply_overrides, from_dict, load_yaml, to_dict
 from selfdraft.errors import SelfdraftError
 
@@ -49,11 +51,96 @@ def test_bad_yaml_files_are_clear(tmp_path):
 
 
 def test_decode_configs_validate():
-    DecodeConfig().validate()
-    for bad in (DecodeConfig(max_new_tokens=0), DecodeConfig(temperature=-1), DecodeConfig(top_p=0), DecodeConfig(top_k=-2)):
+    DecodeConfig()
+    for bad in (dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2)):
         with pytest.raises(SelfdraftError):
-            bad.validate()
+            DecodeConfig(**bad)
     with pytest.raises(SelfdraftError, match="min_ngram"):
-        PromptLookupConfig(min_ngram=4, max_ngram=3).validate()
+        PromptLookupConfig(min_ngram=4, max_ngram=3)
     with pytest.raises(SelfdraftError, match="depth"):
-        DraftModelConfig(depth=0).validate()
+        dataclasses.replace(DRAFT_MODEL_TREE, depth=0)
+
+
+# ---------------------------------------------------------------- the shipped run presets
+
+def _leaves(data: dict, prefix: str = "") -> dict:
+    """``{"a.b": value}`` for every non-mapping value of a nested dict."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _presets():
+    from selfdraft.configs.run import presets
+
+    return sorted(presets())
+
+
+def test_the_shipped_presets_are_the_yaml_files_of_configs():
+    import pathlib
+
+    from selfdraft.configs.run import presets
+
+    folder = pathlib.Path(__file__).resolve().parents[1] / "configs"
+    assert sorted(presets()) == sorted(p.stem for p in folder.glob("*.yaml"))
+    assert {"smoke_cpu", "smoke_eagle", "smoke_eagle3", "medusa_smollm2", "medusa2_smollm2", "eagle_smollm2",
+            "eagle3_smollm2", "quickstart"} <= set(presets())
+
+
+@pytest.mark.parametrize("name", _presets())
+def test_each_preset_loads_with_the_values_its_file_states_and_defaults_for_the_rest(name):
+    """Every key the YAML file states is in the loaded config with that value (no key renamed or moved
+    on the way, no value rewritten), and every key it leaves out has the dataclass default."""
+    from selfdraft.configs.run import RunConfig, load_run_config, presets
+
+    stated = _leaves(load_yaml(presets()[name]))
+    loaded = _leaves(to_dict(load_run_config(name)))
+    defaults = _leaves(to_dict(RunConfig()))
+    assert stated, f"{name}: an empty preset"
+    assert set(stated) <= set(loaded), f"{name} states keys the config does not hold: {sorted(set(stated) - set(loaded))}"
+    wrong = {k: (v, loaded[k]) for k, v in stated.items() if loaded[k] != v or type(loaded[k]) is not type(v)
+             and not (isinstance(v, int) and isinstance(loaded[k], float))}
+    assert not wrong, f"{name}: (stated, loaded) differ: {wrong}"
+    assert loaded.keys() == defaults.keys()
+    unstated = {k: (loaded[k], defaults[k]) for k in loaded if k not in stated and loaded[k] != defaults[k]}
+    assert not unstated, f"{name}: keys the file leaves out that do not have their defaults: {unstated}"
+
+
+# One dotted key of every section (and nested section) of the run config, with two values: the test
+# sets the first that the preset does not already hold. A section added to RunConfig without an entry
+# here fails the test below.
+SECTION_OVERRIDES = {
+    "name": ("renamed-by-override", "renamed-again"),
+    "target.spec": ("some/local-folder", "another/folder"),
+    "data.max_length": (96, 80),
+    "drafter.kind": ("eagle3", "medusa"),
+    "drafter.tree.max_nodes": (11, 13),
+    "drafter.medusa.num_heads": (7, 6),
+    "drafter.medusa.lora.alpha": (3.5, 2.5),
+    "drafter.eagle.ttt_steps": (5, 4),
+    "train.max_steps": (123, 124),
+}
+
+
+@pytest.mark.parametrize("name", _presets())
+def test_overrides_of_every_section_change_that_key_and_nothing_else(name):
+    from selfdraft.configs.run import RunConfig, load_run_config
+
+    sections = {k.rpartition(".")[0] for k in _leaves(to_dict(RunConfig()))}
+    assert sections == {k.rpartition(".")[0] for k in SECTION_OVERRIDES}, "a config section has no override here"
+    before = _leaves(to_dict(load_run_config(name)))
+    chosen = {key: next(v for v in values if v != before[key]) for key, values in SECTION_OVERRIDES.items()}
+    for key, value in chosen.items():
+        after = _leaves(to_dict(load_run_config(name, [f"{key}={value}"])))
+        assert after[key] == value and {k: v for k, v in after.items() if k != key} == \
+            {k: v for k, v in before.items() if k != key}, f"{name}: {key}={value}"
+    together = _leaves(to_dict(load_run_config(name, [f"{k}={v}" for k, v in chosen.items()])))
+    assert together == {**before, **chosen}
+    with pytest.raises(SelfdraftError, match="unknown config key train.learning_rate"):
+        load_run_config(name, ["train.learning_rate=1e-3"])
+    with pytest.raises(SelfdraftError, match="train.max_steps must be >= 1"):
+        load_run_config(name, ["train.max_steps=0"])

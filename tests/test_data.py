@@ -20,16 +20,9 @@ TWO_TURNS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(request):
-    """SmolLM2's tokenizer: from the converted cache when there is one (fast), else via the full target."""
-    from transformers import AutoTokenizer
-
-    from selfdraft.heads.target import COMPLETE_MARKER, target_cache_dir
-
-    folder = target_cache_dir() / "smollm2-135m"
-    if (folder / COMPLETE_MARKER).is_file():
-        return AutoTokenizer.from_pretrained(folder)
-    return request.getfixturevalue("embedded_fp32").tokenizer
+def tokenizer(smollm2_tokenizer):
+    """SmolLM2's tokenizer alone (conftest: no weights loaded)."""
+    return smollm2_tokenizer
 
 
 def sharegpt_record(i, n_turns=2):

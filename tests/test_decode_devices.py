@@ -19,6 +19,8 @@ The device is ``SELFDRAFT_TEST_DEVICE`` (default cpu), as in the other exactness
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 import sys
 from collections import Counter
@@ -30,13 +32,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from selfdraft.configs.decode import GPU_DYNAMIC_TREE, DecodeConfig, DraftModelConfig, DynamicTreeConfig, PromptLookupConfig
-from selfdraft.heads.eagle import EagleDrafter
-from selfdraft.heads.medusa import MedusaHeads
+from selfdraft.configs.decode import GPU_TREE, DecodeConfig, DRAFT_MODEL_TREE, TreeConfig, PromptLookupConfig
+from selfdraft.heads.kinds.eagle import new_drafter
+from selfdraft.heads.kinds.medusa.module import MedusaHeads
 from selfdraft.inference.decode import speculative_decode
 from selfdraft.inference.drafters import DraftModelDrafter, NoDrafter, PromptLookupDrafter
-from selfdraft.inference.eagle import EagleTreeDrafter
-from selfdraft.inference.medusa import MedusaDrafter, sparse_tree
+from selfdraft.heads.kinds.eagle.decode import EagleTreeDrafter
+from selfdraft.heads.kinds.medusa.decode import MedusaDrafter
+from selfdraft.heads.sparse_tree import sparse_tree
 from selfdraft.inference.session import CausalLMSession
 
 VOCAB = 97
@@ -94,7 +97,7 @@ def draft_model(test_device):
 
 def eagle_module(target, kind, dtype=torch.float32):
     torch.manual_seed(1)
-    drafter = EagleDrafter(EagleDrafter.dims_for(target, kind, draft_vocab_size=60 if kind == "eagle3" else None))
+    drafter = new_drafter(target, kind, draft_vocab_size=60 if kind == "eagle3" else None)
     if kind == "eagle3":
         drafter.set_vocab_map(torch.randperm(VOCAB)[:60])
     return drafter.eval().to(dtype)
@@ -112,7 +115,7 @@ def medusa_heads(dtype=torch.float32):
 MEDUSA_TREE = sparse_tree(torch.tensor([[0.5, 0.3, 0.1, 0.05]] * 4), 40)
 LOOKUP = PromptLookupConfig(max_branches=4, num_tokens=6, max_nodes=20)
 SYNC_DRAFTERS = {
-    "eagle3-60-nodes": lambda target: EagleTreeDrafter(eagle_module(target, "eagle3"), target, GPU_DYNAMIC_TREE),
+    "eagle3-60-nodes": lambda target: EagleTreeDrafter(eagle_module(target, "eagle3"), target, GPU_TREE),
     "medusa-40-nodes": lambda target: MedusaDrafter(medusa_heads(), target, MEDUSA_TREE),
     "prompt-lookup-tree": lambda target: PromptLookupDrafter(LOOKUP),
 }
@@ -164,10 +167,10 @@ def device_drafters(target, draft):
     return {
         "none": lambda: NoDrafter(),
         "prompt-lookup": lambda: PromptLookupDrafter(LOOKUP),
-        "draft-model": lambda: DraftModelDrafter(draft, DraftModelConfig(depth=3, top_k=2, max_nodes=6)),
+        "draft-model": lambda: DraftModelDrafter(draft, dataclasses.replace(DRAFT_MODEL_TREE, depth=3, top_k=2, max_nodes=6)),
         "medusa": lambda: MedusaDrafter(medusa, target, MEDUSA_TREE),
-        "eagle": lambda: EagleTreeDrafter(eagle1, target, DynamicTreeConfig(3, 3, 6)),
-        "eagle3": lambda: EagleTreeDrafter(eagle3, target, DynamicTreeConfig(3, 3, 6)),
+        "eagle": lambda: EagleTreeDrafter(eagle1, target, TreeConfig(3, 3, 6)),
+        "eagle3": lambda: EagleTreeDrafter(eagle3, target, TreeConfig(3, 3, 6)),
     }
 
 

@@ -58,7 +58,8 @@ class ScriptedServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        # A short poll interval: close() waits for it (0.5 s by default, after every test).
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
 
     def close(self):
         self.httpd.shutdown()
@@ -186,6 +187,7 @@ def test_unreachable_server_writes_nothing(target_text, source, tmp_path):
         ServerConfig("localhost:8000").validate()
 
 
+@pytest.mark.slow
 def test_cli_distill_through_a_server(server, embedded_fp32, source, tmp_path):
     import subprocess
     import sys

@@ -10,8 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.eagle import EagleDrafter
-from selfdraft.heads.eagle_formats import ENGINES, export_eagle, folder_aux_layers, import_eagle
+from selfdraft.heads.kinds.eagle import new_drafter
+from selfdraft.heads.kinds.eagle.layouts import ENGINES, export_eagle, folder_aux_layers, import_eagle
 from selfdraft.heads.target import TargetIdentity
 
 H, V, DV, L = 64, 97, 40, 8
@@ -31,7 +31,7 @@ def identity(model):
 
 def trained_like(target, kind, **dims):
     torch.manual_seed(1)
-    drafter = EagleDrafter(EagleDrafter.dims_for(target, kind, draft_vocab_size=DV if kind == "eagle3" else None, **dims))
+    drafter = new_drafter(target, kind, draft_vocab_size=DV if kind == "eagle3" else None, **dims)
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -44,7 +44,7 @@ def logits_by_target_id(drafter, target, x, pos):
     """(1, T, V) draft logits indexed by target token id (-inf outside the draft vocabulary)."""
     with torch.no_grad():
         out = drafter.logits(drafter(x, x, pos, None), target.lm_head)
-    if drafter.kind == "eagle":
+    if drafter.dims.KIND_FIELD == "eagle":
         return out
     full = torch.full((*out.shape[:-1], V), float("-inf"))
     full[..., drafter.draft_to_target()] = out
@@ -68,7 +68,7 @@ def test_every_engine_layout_round_trips_exactly(tmp_path, kind, engine):
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
     assert config["rope_theta"] == 50000.0 and config["rope_parameters"]["rope_theta"] == 50000.0 and config["rope_scaling"] is None
     assert config["head_dim"] == 16 and "bias" not in config and config["attention_bias"] is False
-    assert ("embed_tokens.weight" in tensors) == (engine == "eagle")
+    assert ("embed_tokens.weight" in tensors) == (engine == "eagle-reference")
     if kind == "eagle":
         assert config["architectures"] == [{"vllm": "EagleLlamaForCausalLM"}.get(engine, "LlamaForCausalLMEagle")]
         assert ("fc.bias" in tensors) == (engine != "vllm")  # vLLM builds no fc bias, SGLang/reference always do
@@ -141,7 +141,7 @@ def test_drafters_an_engine_cannot_load_are_refused_and_nothing_is_written(tmp_p
     llama_layer = trained_like(qwen, "eagle3")  # the default: engines load it for Qwen2 targets
     export_eagle(llama_layer, tmp_path / "ok", "sglang", identity(qwen))
     with pytest.raises(SelfdraftError, match="reference EAGLE.*Qwen2ForCausalLM"):  # no EAGLE-3 capture for Qwen2 there
-        export_eagle(llama_layer, tmp_path / "ref", "eagle", identity(qwen), qwen.get_input_embeddings().weight)
+        export_eagle(llama_layer, tmp_path / "ref", "eagle-reference", identity(qwen), qwen.get_input_embeddings().weight)
     target = llama()
     gemma = TargetIdentity("gemma", "Gemma3ForCausalLM", V, H, L, "")
     with pytest.raises(SelfdraftError, match="not Gemma3ForCausalLM"):
@@ -149,7 +149,7 @@ def test_drafters_an_engine_cannot_load_are_refused_and_nothing_is_written(tmp_p
     with pytest.raises(SelfdraftError, match="repeat a layer"):
         export_eagle(trained_like(target, "eagle3", aux_layers=[2, 4, 4]), tmp_path / "r", "vllm", identity(target))
     with pytest.raises(SelfdraftError, match="always fuses hidden_states"):
-        export_eagle(trained_like(target, "eagle3", aux_layers=[1, 4, 5]), tmp_path / "r", "eagle", identity(target),
+        export_eagle(trained_like(target, "eagle3", aux_layers=[1, 4, 5]), tmp_path / "r", "eagle-reference", identity(target),
                      target.get_input_embeddings().weight)
     assert not any(p.name.startswith((".g", ".r", "g", "r")) for p in tmp_path.iterdir())
 
@@ -172,7 +172,7 @@ def test_an_engine_layout_folder_decodes_exactly_through_make_drafter(tmp_path):
     from selfdraft.configs.decode import DecodeConfig
     from selfdraft.heads.target import Target
     from selfdraft.inference.decode import speculative_decode
-    from selfdraft.inference.drafters import make_drafter
+    from selfdraft.inference.specs import make_drafter
     from selfdraft.inference.session import CausalLMSession
 
     target = llama()
@@ -192,11 +192,11 @@ def test_published_reference_eagle1_folders_are_recognised_and_pickles_refused(t
     weights carry fc (with bias), layers.0.* (an unused input norm too) and the embedding."""
     from safetensors.torch import save_file
 
-    from selfdraft.heads.eagle_formats import is_engine_eagle_folder
+    from selfdraft.heads.kinds.eagle.layouts import is_engine_eagle_folder
 
     target = llama()
     drafter = trained_like(target, "eagle", fc_bias=True)
-    folder = export_eagle(drafter, tmp_path / "ref", "eagle", identity(target), target.get_input_embeddings().weight)
+    folder = export_eagle(drafter, tmp_path / "ref", "eagle-reference", identity(target), target.get_input_embeddings().weight)
     config = json.loads((folder / "config.json").read_text())
     config["architectures"] = ["LlamaForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config))

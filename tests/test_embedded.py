@@ -4,12 +4,14 @@ A handful of MT-bench first turns (chat template) and HumanEval prompts, 64 new 
 token_ids must equal the target's own generate(do_sample=False) output token for token.
 """
 
+import dataclasses
 import pytest
 import torch
 
-from selfdraft.configs.decode import DraftModelConfig, PromptLookupConfig
+from selfdraft.configs.decode import DRAFT_MODEL_TREE, PromptLookupConfig
 from selfdraft.inference.api import encode_prompt, generate
-from selfdraft.inference.drafters import NoDrafter, PromptLookupDrafter, make_drafter
+from selfdraft.inference.drafters import NoDrafter, PromptLookupDrafter
+from selfdraft.inference.specs import make_drafter
 from selfdraft.inference.prompts import humaneval_prompts, mt_bench_prompts
 
 pytestmark = [pytest.mark.embedded, pytest.mark.slow]
@@ -34,10 +36,10 @@ def test_every_drafter_is_token_identical(embedded_fp32, truncated_smollm2):
         "prompt-lookup": PromptLookupDrafter(),
         "prompt-lookup-tree": PromptLookupDrafter(PromptLookupConfig(max_branches=3, num_tokens=6, max_nodes=14)),
         # A separate (weak) draft model: a 4-layer cut of the target, saved as its own HF folder.
-        "draft-model-chain": make_drafter(f"draft-model:{truncated_smollm2}", target, draft_model=DraftModelConfig(depth=3)),
+        "draft-model-chain": make_drafter(f"draft-model:{truncated_smollm2}", target, tree=dataclasses.replace(DRAFT_MODEL_TREE, depth=3)),
         # The target drafting for itself through the draft-model path: a strong drafter, a real tree.
         "draft-model-tree": make_drafter(
-            "draft-model:smollm2-135m", target, draft_model=DraftModelConfig(depth=4, top_k=2, max_nodes=8)
+            "draft-model:smollm2-135m", target, tree=dataclasses.replace(DRAFT_MODEL_TREE, depth=4, top_k=2, max_nodes=8)
         ),
     }
     accepted = {name: [] for name in drafters}

@@ -9,11 +9,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from selfdraft.configs.decode import DecodeConfig
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.io import DrafterRecord, load_drafter, medusa_dims, save_drafter
-from selfdraft.heads.medusa import MedusaHeads
+from selfdraft.heads.io import DrafterRecord, load_drafter, save_drafter
+from selfdraft.heads.kinds.medusa.module import MedusaHeads
 from selfdraft.heads.target import Target, TargetIdentity
 from selfdraft.inference.decode import speculative_decode
-from selfdraft.inference.drafters import make_drafter
+from selfdraft.inference.specs import make_drafter
 from selfdraft.inference.session import CausalLMSession
 
 IDENTITY = TargetIdentity("tiny", "LlamaForCausalLM", 97, 64, 2, "abc123")
@@ -29,7 +29,7 @@ def trained_looking_heads(own_lm_head):
 
 
 def export(tmp_path, heads, **changes):
-    record = DrafterRecord("medusa", medusa_dims(heads), IDENTITY, decode={"choices": [[0], [1], [0, 0]]}, run_config={"lr": 1e-3})
+    record = DrafterRecord("medusa", heads.dims, IDENTITY, decode={"choices": [[0], [1], [0, 0]]}, run_config={"lr": 1e-3})
     return save_drafter(tmp_path / "medusa", heads, dataclasses.replace(record, **changes))
 
 

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.formats import export_vllm_medusa, import_fasterdecoding_medusa, import_vllm_medusa
-from selfdraft.heads.medusa import MedusaHeads
+from selfdraft.heads.kinds.medusa.formats import export_vllm_medusa, import_fasterdecoding_medusa, import_vllm_medusa
+from selfdraft.heads.kinds.medusa.module import MedusaHeads
 
 D, V = 48, 101
 

@@ -12,6 +12,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
+pytestmark = pytest.mark.slow  # the smoke run: every section of the GPU check on the CPU, minutes
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,14 @@ that are right sometimes and always wrong. The real embedded target is in test_e
 models live on ``SELFDRAFT_TEST_DEVICE`` (the ``test_device`` fixture, default cpu).
 """
 
+import dataclasses
 import random
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from selfdraft.configs.decode import DecodeConfig, DraftModelConfig, PromptLookupConfig
+from selfdraft.configs.decode import DecodeConfig, DRAFT_MODEL_TREE, PromptLookupConfig
 from selfdraft.inference.decode import speculative_decode
 from selfdraft.inference.drafters import DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter
 from selfdraft.inference.session import CausalLMSession
@@ -87,9 +88,9 @@ def drafters(target, draft, truth):
         "lookup-chain": PromptLookupDrafter(),
         "lookup-tree": PromptLookupDrafter(PromptLookupConfig(max_branches=4, num_tokens=6, max_nodes=20)),
         "lookup-short": PromptLookupDrafter(PromptLookupConfig(max_ngram=1, num_tokens=2)),
-        "draft-chain": DraftModelDrafter(draft, DraftModelConfig(depth=4, top_k=1)),
-        "draft-tree": DraftModelDrafter(draft, DraftModelConfig(depth=4, top_k=3, max_nodes=12)),
-        "self-draft-tree": DraftModelDrafter(target, DraftModelConfig(depth=6, top_k=2, max_nodes=10)),
+        "draft-chain": DraftModelDrafter(draft, dataclasses.replace(DRAFT_MODEL_TREE, depth=4, top_k=1)),
+        "draft-tree": DraftModelDrafter(draft, dataclasses.replace(DRAFT_MODEL_TREE, depth=4, top_k=3, max_nodes=12)),
+        "self-draft-tree": DraftModelDrafter(target, dataclasses.replace(DRAFT_MODEL_TREE, depth=6, top_k=2, max_nodes=10)),
         "oracle-half-right": OracleDrafter(truth, 0.5, depth=5, seed=1),
         "oracle-tree-mostly-right": OracleDrafter(truth, 0.2, depth=4, siblings=2, seed=2),
         "oracle-always-wrong-chain": OracleDrafter(truth, 1.0, depth=5, seed=3),

@@ -10,9 +10,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from selfdraft.configs.decode import DecodeConfig
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.medusa import MedusaHeads
+from selfdraft.heads.kinds.medusa.module import MedusaHeads
 from selfdraft.inference.decode import speculative_decode
-from selfdraft.inference.medusa import CPU_CHOICES, MedusaDrafter, normalise_choices, sparse_tree
+from selfdraft.heads.kinds.medusa.decode import MedusaDrafter
+from selfdraft.heads.sparse_tree import CPU_CHOICES, normalise_choices, sparse_tree
 from selfdraft.inference.session import CausalLMSession
 
 VOCAB = 97
@@ -42,7 +43,7 @@ def test_zero_initialised_heads_start_as_the_lm_head(target):
     assert len({id(p) for p in params}) == len(params) == 3 * 2 * 2
     own = MedusaHeads(64, VOCAB, num_heads=2, own_lm_head=True).to(target.device)
     assert own(hidden).shape == (2, 5, VOCAB)
-    with pytest.raises(ValueError, match="lm_head"):
+    with pytest.raises(SelfdraftError, match="lm_head"):
         heads(hidden)
 
 
@@ -117,9 +118,9 @@ def test_typical_acceptance_is_opt_in_lossy_and_follows_its_threshold(test_devic
     from selfdraft.inference.verify import typical_verify
 
     with pytest.raises(SelfdraftError, match="sampling mode"):
-        DecodeConfig(acceptance="typical").validate()
-    assert DecodeConfig(acceptance="typical", temperature=1.0).validate().lossy
-    assert not DecodeConfig(temperature=1.0).validate().lossy
+        DecodeConfig(acceptance="typical")
+    assert DecodeConfig(acceptance="typical", temperature=1.0).lossy
+    assert not DecodeConfig(temperature=1.0).lossy
     # Root: p = (0.5, 0.3, 0.2, 0, ...); a chain root -> token 1 -> token 2.
     probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.05, 0.05, 0.9, 0.0], [0.0, 0.0, 0.0, 1.0]],
                          dtype=torch.float64, device=test_device)

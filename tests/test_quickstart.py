@@ -11,11 +11,15 @@ from selfdraft.errors import SelfdraftError
 from selfdraft.quickstart import measured_acceptance
 
 
+def _overrides(tiny_target):
+    return [f"target.spec={tiny_target}", "data.max_conversations=12", "data.max_length=64", "data.eval_fraction=0.2",
+            "train.micro_batch_size=2", "drafter.eagle.draft_vocab_size=512", "train.eval_batches=1"]
+
+
 def _args(tiny_target, out):
     # 15 s of steps on 12 conversations: more than one read of each, so the plan caches their features.
     return ["quickstart", "--out", str(out), "--budget-minutes", "0.25", "--bench-limit", "1", "--max-new-tokens", "6",
-            f"target.spec={tiny_target}", "data.max_conversations=12", "data.max_length=64", "data.eval_fraction=0.2",
-            "train.micro_batch_size=2", "drafter.eagle.draft_vocab_size=512", "train.eval_batches=1"]
+            *_overrides(tiny_target)]
 
 
 def test_quickstart_runs_end_to_end_and_a_second_run_reuses_its_stages(tiny_target, tmp_path, capsys, monkeypatch):
@@ -92,3 +96,29 @@ def test_the_verdict_names_the_fastest_method_where_the_drafter_does_not_pay():
     assert judged["pays_for_itself"] and "1.02x on humaneval" in judged["summary"]
     rows[4]["speedup"] = 0.9987  # a slowdown never reads 1.00x
     assert "0.999x on humaneval (slower than no drafter" in verdict({"rows": rows}, "run/drafter")["summary"]
+
+
+def test_a_busy_machine_during_calibration_still_fills_the_budget(tiny_target, tmp_path):
+    """Calibration timed 20 s steps (the machine was busy); training steps take 7 s. The first plan is
+    small, the run re-plans from its own step times and spends the budget (3 minutes) on steps:
+    stages.json records the seconds and the steps."""
+    from selfdraft.quickstart import QuickstartConfig, _Stages, _train_stage
+
+    calibration = QuickstartConfig().calibration_steps
+    calls = []
+
+    def step_timer():  # scripted: the calibration's steps first, then the run's
+        calls.append(None)
+        took = 20.0 if len(calls) <= calibration else 7.0
+        return lambda: took
+
+    qc = QuickstartConfig(out=str(tmp_path), budget_minutes=3.0, overrides=tuple(_overrides(tiny_target)))
+    stages = _Stages(tmp_path, {"config": qc.config, "overrides": list(qc.overrides), "budget_minutes": qc.budget_minutes})
+    _train_stage(qc, [*qc.overrides, f"train.output_dir={tmp_path / 'run'}"], tmp_path, stages, "cpu", step_timer)
+    recorded = json.loads((tmp_path / "stages.json").read_text())
+    planned, done = recorded["plan"], recorded["done"]["train"]
+    assert planned["steps"] <= 180 / 20 and done["planned_steps"] == planned["steps"]
+    assert done["steps"] > planned["steps"] and done["steps"] == len(calls) - calibration
+    assert done["train_seconds"] == pytest.approx(7.0 * done["steps"])
+    assert 0.9 * 180 <= done["train_seconds"] + done["cache_seconds"] <= 180
+    assert done["budget_seconds"] == 180 and (tmp_path / "run" / "drafter" / "config.json").is_file()

@@ -399,13 +399,30 @@ def forgets_to_renormalise(probs, tokens, buffers, generator):
         node = chosen
 
 
-@pytest.mark.slow
+# The fast tier (`pytest -m "not slow"`): the same test at BIASED_N runs, the size at which
+# test_biased_rule_is_detected shows that both planted biased rules fail it.
+BIASED_N = 5_000
+FAST_CASES = [("chain", Sampling(1.0)), ("tree", Sampling(1.0, top_p=0.8)), ("right-or-wrong", Sampling(0.7, top_k=4))]
+
+
+@pytest.mark.parametrize("kind,sampling", FAST_CASES, ids=[f"{k}-{s}".replace(" ", ",") for k, s in FAST_CASES])
+def test_speculative_sampling_has_target_distribution_at_the_size_that_rejects_biased_rules(
+        target, drafters, kind, sampling, law):
+    n = BIASED_N
+    probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
+    start = time.perf_counter()
+    samples = sample_counts(lambda: TableSession(target), drafters[kind], sampling, n, seed0=2 * 10**6)
+    pvalue, tv = _check(law, f"{kind} {sampling}", samples, probs, time.perf_counter() - start)
+    assert pvalue > ALPHA, f"{kind} drafter, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
+    _assert_exercised(samples, f"{kind} {sampling}")
+
+
 @pytest.mark.parametrize("bug", ["min(1,p/q)", "no-renormalisation"])
 def test_biased_rule_is_detected(target, drafters, bug, law):
     """The same test rejects biased rules, with a quarter of the samples the correct rule gets:
     min(1, p/q) over deterministic top-2 children (DESIGN.md's warning), and a walk that forgets
     to renormalise the residual."""
-    sampling, n = Sampling(1.0), 5_000
+    sampling, n = Sampling(1.0), BIASED_N
     drafter = drafters["tree"]
     rule = make_wrong_rule(drafter) if bug == "min(1,p/q)" else forgets_to_renormalise
     probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)

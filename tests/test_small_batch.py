@@ -13,7 +13,7 @@ def _layer(bias: bool, dtype=torch.float32) -> nn.Linear:
     torch.manual_seed(0)
     layer = nn.Linear(24, 40, bias=bias).to(dtype)
     layer.requires_grad_(False)
-    assert small_batch.use_small_batch_matmul(layer) == 1
+    assert len(small_batch.use_small_batch_matmul(layer)) == 1
     return layer
 
 
@@ -57,22 +57,95 @@ def test_autograd_bf16_and_switched_off_take_f_linear(linear_calls, monkeypatch)
         half(torch.randn(1, 4, 24, dtype=torch.bfloat16))
     assert linear_calls == [4, 4]
 
-    assert small_batch.use_small_batch_matmul(layer) == 0  # already set: nothing to do
+    assert len(small_batch.use_small_batch_matmul(layer)) == 0  # already set: nothing to do
     monkeypatch.setenv(small_batch.ENV, "0")
-    assert not small_batch.enabled() and small_batch.use_small_batch_matmul(nn.Linear(3, 3)) == 0
+    assert not small_batch.enabled() and len(small_batch.use_small_batch_matmul(nn.Linear(3, 3))) == 0
 
 
 def test_cpu_targets_and_drafters_get_it(tiny_target):
     from selfdraft.heads.target import load_target
 
-    from selfdraft.heads.eagle import EagleDrafter
-    from selfdraft.heads.medusa import MedusaHeads
-    from selfdraft.inference.eagle import EagleTreeDrafter
-    from selfdraft.inference.medusa import MedusaDrafter
+    from selfdraft.heads.kinds.eagle import new_drafter
+    from selfdraft.heads.kinds.medusa.module import MedusaHeads
+    from selfdraft.heads.kinds.eagle.decode import EagleTreeDrafter
+    from selfdraft.heads.kinds.medusa.decode import MedusaDrafter
 
     target = load_target(str(tiny_target))
     assert small_batch.uses_small_batch_matmul(target.model)
+    assert isinstance(target.small_batch, small_batch.SmallBatchMatmul) and len(target.small_batch) > 0
     assert type(target.model.lm_head).forward is nn.Linear.forward  # the class is untouched
-    eagle = EagleTreeDrafter(EagleDrafter(EagleDrafter.dims_for(target.model, "eagle")), target.model)
+    eagle = EagleTreeDrafter(new_drafter(target.model, "eagle"), target.model)
     medusa = MedusaDrafter(MedusaHeads(32, target.identity.vocab_size, num_heads=2), target.model, [(0,), (0, 0)])
     assert small_batch.uses_small_batch_matmul(eagle.drafter) and small_batch.uses_small_batch_matmul(medusa.heads)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 24, bias=False))
+    return nn.Sequential(nn.Linear(24, 24), inner, nn.Linear(24, 7)).requires_grad_(False)
+
+
+def test_apply_then_remove_restores_the_module_exactly(caplog):
+    model = _model()
+    x = torch.randn(1, 6, 24)  # 6 rows: the few-row path, padded to 8
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    with torch.inference_mode():
+        before = model(x)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    with caplog.at_level("INFO", logger="selfdraft"):
+        handle = small_batch.SmallBatchMatmul.apply(model, reason="a test")
+    assert len(handle) == 4 and small_batch.uses_small_batch_matmul(model)
+    said = [r.getMessage() for r in caplog.records if r.name == small_batch.__name__]
+    assert len(said) == 1 and "4 linear layers of Sequential for a test" in said[0] and small_batch.ENV in said[0]
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-5)  # the same product, another kernel
+
+    again = small_batch.use_small_batch_matmul(model)  # idempotent: nothing is wrapped twice
+    assert len(again) == 0
+    assert all(layer.forward.__func__ is small_batch._forward for layer in layers)
+    again.remove()  # owns nothing: the first handle's layers stay wrapped
+    assert small_batch.uses_small_batch_matmul(model)
+
+    handle.remove()
+    assert len(handle) == 0 and not small_batch.uses_small_batch_matmul(model)
+    for layer in layers:  # the class's own forward, no instance attribute left behind
+        assert "forward" not in layer.__dict__ and layer.forward.__func__ is nn.Linear.forward
+    with torch.inference_mode():
+        assert torch.equal(model(x), before)  # bit for bit
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items()) and state.keys() == model.state_dict().keys()
+    handle.remove()  # idempotent
+
+    with small_batch.SmallBatchMatmul.apply(model) as scoped:  # a with block removes it at its end
+        assert len(scoped) == 4 and small_batch.uses_small_batch_matmul(model)
+    assert not small_batch.uses_small_batch_matmul(model)
+
+
+def test_a_forward_set_by_someone_else_is_left_alone():
+    model = _model()
+    first = model[0]
+    foreign = first.forward = lambda x: x  # e.g. accelerate's offloading hook
+    handle = small_batch.SmallBatchMatmul.apply(model)
+    assert len(handle) == 3 and first.forward is foreign
+    handle.remove()
+    assert first.forward is foreign
+
+
+def test_load_target_applies_it_visibly_and_can_take_it_off(tiny_target):
+    from selfdraft.heads.target import load_target
+
+    target = load_target(str(tiny_target))  # float32 on a CPU: on by default
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.inference_mode():
+        fast = target.model(ids).logits
+    target.small_batch.remove()
+    assert not small_batch.uses_small_batch_matmul(target.model)
+    plain = load_target(str(tiny_target), small_batch_kernel=False)
+    assert plain.small_batch is None and not small_batch.uses_small_batch_matmul(plain.model)
+    with torch.inference_mode():
+        slow = plain.model(ids).logits
+        assert torch.equal(target.model(ids).logits, slow)  # removed: exactly the plain model
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+    assert load_target(str(tiny_target), dtype="bfloat16").small_batch is None  # bf16 forwards never take it
+    assert len(load_target(str(tiny_target), dtype="bfloat16", small_batch_kernel=True).small_batch) > 0

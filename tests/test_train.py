@@ -31,9 +31,11 @@ def tiny_config(tiny_target, out, *overrides):
 def test_every_preset_loads_and_an_unknown_key_is_named():
     names = presets()
     assert {"smoke_cpu", "medusa_smollm2", "medusa2_smollm2"} <= set(names)
-    for name in names:
+    for name, path in names.items():  # the values the file states (tests/test_configs.py checks every key)
+        import yaml
+
         config = load_run_config(name)
-        assert config.train.max_steps >= 1
+        assert config.train.max_steps == yaml.safe_load(path.read_text())["train"]["max_steps"], name
     with pytest.raises(SelfdraftError, match=r"unknown config key train\.learning_rate"):
         load_run_config("smoke_cpu", ["train.learning_rate=1e-3"])
     with pytest.raises(SelfdraftError, match=r"drafter\.medusa\.num_heads"):
@@ -46,9 +48,24 @@ def test_every_preset_loads_and_an_unknown_key_is_named():
         assert yaml.safe_load(accel.read_text())["distributed_type"] in {"MULTI_GPU", "DEEPSPEED", "FSDP"}
 
 
+@pytest.fixture(scope="module")
+def medusa_runs(tiny_target, tmp_path_factory):
+    """own_lm_head -> (TrainResult, run folder) of ``tiny_config`` with that setting, trained once for the
+    tests below that read a finished run and leave its folder as it is."""
+    runs = {}
+
+    def run(own_lm_head: bool):
+        if own_lm_head not in runs:
+            out = tmp_path_factory.mktemp("medusa-run") / "run"
+            runs[own_lm_head] = train(tiny_config(tiny_target, out, f"drafter.medusa.own_lm_head={own_lm_head}")), out
+        return runs[own_lm_head]
+
+    return run
+
+
 @pytest.mark.parametrize("own_lm_head", [False, True])
-def test_a_run_moves_the_heads_and_leaves_the_target_bit_identical(tiny_target, tmp_path, own_lm_head):
-    result = train(tiny_config(tiny_target, tmp_path / "run", f"drafter.medusa.own_lm_head={own_lm_head}"))
+def test_a_run_moves_the_heads_and_leaves_the_target_bit_identical(tiny_target, medusa_runs, own_lm_head):
+    result, run = medusa_runs(own_lm_head)
     original = read_weights(tiny_target / "model.safetensors")
     trained = result.objective.target.state_dict()
     assert original and all(torch.equal(trained[name], tensor) for name, tensor in original.items())
@@ -58,7 +75,6 @@ def test_a_run_moves_the_heads_and_leaves_the_target_bit_identical(tiny_target, 
         lm = original["model.embed_tokens.weight"]
         assert all(not torch.equal(head.weight.detach(), lm) for head in heads.lm_heads)
     # Run folder: resolved config, metrics, last two checkpoints, the export with a measured tree.
-    run = tmp_path / "run"
     assert (run / "config.yaml").is_file() and (run / "training.png").stat().st_size > 1000
     assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == ["step-00000002", "step-00000004"]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -86,7 +102,7 @@ def test_resume_continues_exactly(tiny_target, tmp_path):
 
 
 def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_target, tmp_path, monkeypatch):
-    from selfdraft.train.objectives import MedusaObjective
+    from selfdraft.heads.kinds.medusa.objective import MedusaObjective
 
     forward, calls = MedusaObjective.forward, []
 
@@ -107,7 +123,7 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_target
 
 def test_export_from_a_run_and_from_an_interrupted_run(tiny_target, tmp_path):
     from selfdraft.cli import main
-    from selfdraft.heads.formats import import_vllm_medusa
+    from selfdraft.heads.kinds.medusa.formats import import_vllm_medusa
 
     train(tiny_config(tiny_target, tmp_path / "cut"), stop_after=2)
     assert main(["export", str(tmp_path / "cut"), "--format", "vllm", "--out", str(tmp_path / "vllm")]) == 0
@@ -122,19 +138,19 @@ def test_export_from_a_run_and_from_an_interrupted_run(tiny_target, tmp_path):
     assert main(["export", str(tmp_path / "nothing"), "--format", "vllm", "--out", str(tmp_path / "x")]) == 2
 
 
-def test_trained_drafter_decodes_exactly_through_the_cli(tiny_target, tmp_path, capsys):
+def test_trained_drafter_decodes_exactly_through_the_cli(tiny_target, medusa_runs, capsys):
     from selfdraft.cli import main
 
-    train(tiny_config(tiny_target, tmp_path / "run"))
+    _, run = medusa_runs(False)  # tiny_config as it is
     capsys.readouterr()
     runs = {}
-    for drafter in ("none", str(tmp_path / "run" / "drafter")):
+    for drafter in ("none", str(run / "drafter")):
         assert main(["generate", "--target", str(tiny_target), "--drafter", drafter, "--prompt", "Tell me a story",
                      "--chat", "--max-new-tokens", "24", "--json"]) == 0
         runs[drafter] = json.loads(capsys.readouterr().out)
-    assert runs[str(tmp_path / "run" / "drafter")]["token_ids"] == runs["none"]["token_ids"]
-    assert main(["generate", "--target", str(tiny_target), "--drafter", str(tmp_path / "run" / "drafter"), "--prompt", "Hi",
-                 "--medusa-nodes", "4", "--temperature", "0.8", "--seed", "1", "--typical-acceptance",
+    assert runs[str(run / "drafter")]["token_ids"] == runs["none"]["token_ids"]
+    assert main(["generate", "--target", str(tiny_target), "--drafter", str(run / "drafter"), "--prompt", "Hi",
+                 "--max-nodes", "4", "--temperature", "0.8", "--seed", "1", "--typical-acceptance",
                  "--max-new-tokens", "8"]) == 0
     assert "LOSSY" in capsys.readouterr().err
 
@@ -287,10 +303,27 @@ SHARDED = {
 }
 
 
+@pytest.fixture(scope="module")
+def one_process_runs(tiny_target, tmp_path_factory):
+    """The single-process reference of a sharded run: ``run(overrides)`` -> (TrainResult, run folder),
+    trained once per distinct overrides and shared by the strategies that compare with it."""
+    runs = {}
+
+    def run(overrides):
+        key = tuple(overrides)
+        if key not in runs:
+            out = tmp_path_factory.mktemp("one-process") / "one"
+            runs[key] = train(load_run_config("smoke_cpu", [*_overrides(tiny_target, out), *overrides])), out
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,kind", [("zero3", "medusa"), ("zero3", "medusa2"), ("zero3", "eagle3"),
                                            ("fsdp", "medusa"), ("fsdp", "eagle3")])
-def test_sharded_training_equals_one_process_and_resumes_after_a_kill(tiny_target, tmp_path, strategy, kind):
+def test_sharded_training_equals_one_process_and_resumes_after_a_kill(tiny_target, tmp_path, one_process_runs, strategy,
+                                                                    kind):
     """DeepSpeed ZeRO-3 and FSDP2 on 2 CPU processes (gloo), the target sharded (ZeRO-3: created
     partitioned; FSDP: one unit per decoder layer, loaded by local rank 0 and broadcast in shards), every
     process running the same forwards (evaluation included, its last batch only partly real): a run killed
@@ -317,13 +350,13 @@ def test_sharded_training_equals_one_process_and_resumes_after_a_kill(tiny_targe
     b = ckpt.load_tree(ckpt.latest_checkpoint(killed / "checkpoints"), "trainable")
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a), f"killed at step {step}"
     assert (killed / "drafter").is_dir() and (kind != "medusa2" or (killed / "drafter-target").is_dir())
-    single = train(load_run_config("smoke_cpu", [*_overrides(tiny_target, tmp_path / "one"), *run, "train.grad_accum=2"]))
+    single, one = one_process_runs([*run, "train.grad_accum=2"])
     for name, value in single.objective.trainable_state_dict().items():
         torch.testing.assert_close(a[name], value, rtol=1e-4, atol=1e-5)
     if kind == "medusa2":  # the LoRA-merged target, gathered from the shards, as one process writes it
         from safetensors.torch import load_file
 
-        merged, reference = (load_file(d / "drafter-target" / "model.safetensors") for d in (killed, tmp_path / "one"))
+        merged, reference = (load_file(d / "drafter-target" / "model.safetensors") for d in (killed, one))
         assert set(merged) == set(reference)
         for name in reference:
             torch.testing.assert_close(merged[name], reference[name], rtol=1e-4, atol=1e-5)
@@ -392,7 +425,7 @@ def test_a_corrupt_checkpoint_is_a_clear_error_that_points_to_the_previous_one(t
 def test_ttt_mask_and_draft_vocabulary_by_hand():
     import numpy as np
 
-    from selfdraft.train.objectives import _ttt_mask, draft_vocabulary
+    from selfdraft.heads.kinds.eagle.objective import draft_vocabulary, ttt_mask as _ttt_mask
 
     # L = 3 positions, step 1: query t sees step-0 keys s <= t-1 and its own step-1 key (s == t).
     visible = _ttt_mask(3, 1, torch.float32, "cpu")[0, 0] == 0
@@ -414,8 +447,9 @@ def test_ttt_mask_and_draft_vocabulary_by_hand():
 def test_eagle_runs_train_resume_export_and_decode_exactly(tiny_target, tmp_path, kind, capsys):
     from selfdraft.cli import main
 
+    # drafter.tree: smoke_cpu's 8-node tree is its Medusa heads'; the EAGLE runs here keep the EAGLE presets' 4
     config = tiny_config(tiny_target, tmp_path / "full", f"drafter.kind={kind}", "drafter.eagle.draft_vocab_size=512",
-                         "train.max_steps=5")
+                         "train.max_steps=5", "drafter.tree.max_nodes=4")
     full = train(config)
     original = read_weights(tiny_target / "model.safetensors")
     trained = full.objective.target.state_dict()
@@ -423,7 +457,7 @@ def test_eagle_runs_train_resume_export_and_decode_exactly(tiny_target, tmp_path
     fc = full.objective.drafter.fc.weight
     assert not torch.equal(fc.detach(), torch.zeros_like(fc))
     cut = tiny_config(tiny_target, tmp_path / "cut", f"drafter.kind={kind}", "drafter.eagle.draft_vocab_size=512",
-                      "train.max_steps=5")
+                      "train.max_steps=5", "drafter.tree.max_nodes=4")
     train(cut, stop_after=3)
     resumed = train(cut, resume=True)
     a, b = full.objective.trainable_state_dict(), resumed.objective.trainable_state_dict()
@@ -446,7 +480,7 @@ def test_eagle_runs_train_resume_export_and_decode_exactly(tiny_target, tmp_path
     assert main(["export", str(tmp_path / "full"), "--format", "sglang", "--out", str(tmp_path / "engine")]) == 0
     capsys.readouterr()
     assert main(["generate", "--target", str(tiny_target), "--drafter", str(tmp_path / "engine"), "--prompt", "Tell me a story",
-                 "--chat", "--max-new-tokens", "24", "--json", "--eagle-tree", "3,2,4"]) == 0
+                 "--chat", "--max-new-tokens", "24", "--json", "--tree-depth", "3", "--tree-top-k", "2", "--max-nodes", "4"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == runs["none"]["token_ids"]
 
 
@@ -550,8 +584,9 @@ def test_feature_cache_errors_are_clear_and_write_nothing(tiny_target, tmp_path,
         write_features(config, tmp_path / "two", dtype="bfloat16")
     with pytest.raises(SelfdraftError, match="not a feature cache"):
         train(tiny_config(tiny_target, tmp_path / "d", f"train.features={tmp_path}"))
-    with pytest.raises(SelfdraftError, match="Medusa-2 trains the target"):
-        load_run_config("medusa2_smollm2", ["train.features=x"])
+    with pytest.raises(SelfdraftError, match="Medusa-2 trains the target"):  # refused by its kind, before anything runs
+        train(tiny_config(tiny_target, tmp_path / "e", "drafter.medusa.lora.rank=2", "train.features=x"))
+    assert not (tmp_path / "e").exists()
 
 
 def test_a_max_length_beyond_the_targets_context_is_refused_before_anything_is_written(tiny_target, tmp_path):

@@ -44,7 +44,12 @@ def fresh_accelerator_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@pytest.mark.parametrize(("drafter", "precision"), CASES, ids=[f"{d}-{p}" for d, p in CASES])
+FAST = {("medusa-shared-target", "bf16-target"), ("eagle3", "bf16-target-autocast")}
+"""The cases the fast tier (``-m "not slow"``) runs: a Medusa run on a bf16 target, an EAGLE-3 one under autocast."""
+
+
+@pytest.mark.parametrize(("drafter", "precision"), [
+    pytest.param(d, p, id=f"{d}-{p}", marks=() if (d, p) in FAST else pytest.mark.slow) for d, p in CASES])
 def test_every_drafter_trains_on_a_bf16_target(tiny_target, tmp_path, monkeypatch, drafter, precision):
     built = {}
 

@@ -18,7 +18,8 @@ from torch.nn import functional as F
 
 from selfdraft.configs.run import load_run_config
 from selfdraft.train.features import target_features
-from selfdraft.train.objectives import MedusaObjective, build_objective
+from selfdraft.heads.kinds.medusa.objective import MedusaObjective
+from selfdraft.train.objectives import build_objective
 
 KINDS = {
     "medusa-shared-target": [],
@@ -74,7 +75,7 @@ def reference_loss(obj, input_ids, attention_mask, loss_mask) -> torch.Tensor:
         return loss
     from transformers import DynamicCache
 
-    from selfdraft.train.objectives import _ttt_mask
+    from selfdraft.heads.kinds.eagle.objective import ttt_mask as _ttt_mask
 
     cfg, drafter = obj.config, obj.drafter
     features = target_features(obj.target, input_ids, attention_mask, obj.feature_layers)
@@ -200,6 +201,7 @@ def measure_steps() -> list[dict]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not pathlib.Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
 def test_one_step_at_a_128k_vocabulary_stays_far_below_the_full_logits(capsys):
     """EAGLE-3 (draft vocabulary 32k) against the full-logits formula, measured; Medusa (3 heads) against

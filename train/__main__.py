@@ -3,5 +3,7 @@
 import sys
 
 from selfdraft.cli import main
+from selfdraft.log import setup_logging
 
+setup_logging()  # each process reads its RANK / WORLD_SIZE: rank-prefixed lines, INFO on the main process only
 sys.exit(main(["train", *sys.argv[1:]]))

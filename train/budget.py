@@ -13,15 +13,18 @@ or on several epochs over a cached subset is a question of drafter quality, not 
 recipe sweep (``scripts/recipe_sweep.py``, README "The recipe from evidence") measures it, and
 :data:`BUDGET_EPOCHS` holds its answer for :func:`plan_budget`.
 
-* :func:`plan_budget` turns a budget and measured step costs into a plan (the quickstart).
-* :func:`resolve_features` makes ``train.features: auto`` (the presets) concrete before a run:
-  a cache in ``RUN/features`` when the run reads its data more than once and the cache fits the
-  disk and ``max_gb``, else online features; it says which and why.
+* :func:`plan_budget` turns a budget and measured step costs into a plan (the quickstart's first
+  plan; the run then re-plans its steps from the step times it measures, ``selfdraft.train.deadline``).
+* :func:`resolve_features` makes ``train.features: auto`` concrete (``train()`` calls it before the
+  run starts): a cache in ``RUN/features`` when the run reads its data at least
+  :data:`MIN_CACHE_EPOCHS` times and the cache fits the disk and ``max_gb``, else online features; it
+  says which and why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pathlib
 import shutil
@@ -30,15 +33,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 from selfdraft.errors import SelfdraftError
+from selfdraft.train.distributed import fresh_accelerate_state
+from selfdraft.train.features import FeatureSource, cache_features
 
-AUTO = "auto"
-"""``train.features: auto``: let :func:`resolve_features` decide."""
+logger = logging.getLogger(__name__)
 
 BUDGET_EPOCHS = 3.0
 """Epochs over a cached subset that :func:`plan_budget` spends a budget on (1: one online pass over as
-many conversations as the budget reaches). From the recipe sweep at 30 CPU minutes (README): 3.1
-epochs over 892 cached conversations trained as well as 0.66 of a pass over 2786 online, 4.9 epochs
-over 578 a little worse; a cache buys steps (692 against 462) more than accuracy."""
+many conversations as the budget reaches). The recipe sweep's answer (README, "The recipe from
+evidence"): about three epochs over a cached subset trained as well as one online pass over more
+conversations in the same time, and more epochs than that did worse; a cache buys steps more than
+accuracy."""
 
 MIN_CACHE_EPOCHS = 1.25
 """A cache is written only for runs that read their conversations at least this many times (below,
@@ -128,17 +133,15 @@ def plan_budget(seconds: float, costs: StepCosts, *, available: int, bytes_per_t
                                f"{cached.epochs:.1f} epochs in {steps} steps: {why}")
 
 
-def resolve_features(config, *, max_gb: float = MAX_CACHE_GB, min_epochs: float = MIN_CACHE_EPOCHS):
+def resolve_features(config, *, max_gb: float = MAX_CACHE_GB, min_epochs: float = MIN_CACHE_EPOCHS, cpu: bool = False):
     """``config`` with ``train.features: auto`` made concrete: ``RUN/features`` (written now, or resumed)
     when the run reads its training conversations at least ``min_epochs`` times and the cache fits the
     disk and ``max_gb``, else online features (empty). Other values pass through. Under ``accelerate
-    launch`` every process calls it and the processes write the cache together."""
+    launch`` every process calls it and the processes write the cache together. ``cpu``: as
+    :func:`~selfdraft.train.loop.train`'s."""
     t = config.train
-    if t.features != AUTO:
+    if FeatureSource.parse(t.features).kind != "auto":
         return config
-    from selfdraft.train.features import write_features
-    from selfdraft.train.loop import fresh_accelerate_state
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     main = int(os.environ.get("RANK", "0")) == 0
     n = config.data.max_conversations
@@ -149,9 +152,12 @@ def resolve_features(config, *, max_gb: float = MAX_CACHE_GB, min_epochs: float 
         if main:
             print(f"selfdraft: train.features auto: {text}", flush=True)
 
+    def with_features(source: FeatureSource):
+        return dataclasses.replace(config, train=dataclasses.replace(t, features=str(source)))
+
     def online(why: str):
         say(f"online target features ({why})")
-        return dataclasses.replace(config, train=dataclasses.replace(t, features=""))
+        return with_features(FeatureSource("online"))
 
     if not (folder / "features.json").is_file():  # a cache begun before is always finished
         if n is None:
@@ -162,15 +168,13 @@ def resolve_features(config, *, max_gb: float = MAX_CACHE_GB, min_epochs: float 
         say(f"{t.max_steps} steps read each of data.max_conversations={n} at least {reads / n:.1f} times (more where "
             f"some render no assistant token): caching their features in {folder}")
     try:
-        write_features(dataclasses.replace(config, train=dataclasses.replace(t, features="")), folder, max_gb=max_gb)
-    except SelfdraftError as err:
-        if not str(err).startswith("the feature cache needs"):
-            raise
-        return online(str(err).split(". Train with")[0])
+        outcome = cache_features(with_features(FeatureSource("online")), folder, max_gb=max_gb, cpu=cpu)
     finally:
-        if world > 1:  # write_features ended its process group: the run starts its own
+        if world > 1:  # cache_features ended its process group: the run starts its own
             fresh_accelerate_state()
-    return dataclasses.replace(config, train=dataclasses.replace(t, features=str(folder)))
+    if not outcome.written:
+        return online(outcome.size.shortfall())
+    return with_features(FeatureSource("cache", folder))
 
 
 def free_gb(folder: str | os.PathLike) -> float:

@@ -5,7 +5,8 @@ A checkpoint is a folder ``checkpoints/step-00000100/`` holding
 * ``trainable.safetensors``: the parameters being trained (heads, LoRA weights);
 * ``optimizer.safetensors`` + ``optimizer.json``: the optimizer state, its tensors by path;
 * ``rng-rank{r}.safetensors`` + ``rng-rank{r}.json``: every RNG of process r;
-* ``state.json`` (written last): step, scheduler state, last evaluation, the resolved run config.
+* ``state.json`` (written last): step, scheduler state, the step plan (``selfdraft.train.deadline``),
+  seconds trained, last evaluation, the resolved run config.
 
 Folders are written under a temporary name and renamed into place, so a crash never leaves a
 half-written checkpoint under a final name; :func:`latest_checkpoint` only returns complete ones.
@@ -27,6 +28,7 @@ import torch
 from selfdraft.errors import SelfdraftError
 from selfdraft.files import as_if_created
 from selfdraft.heads.io import read_weights
+from selfdraft.train import distributed as dist
 
 STATE_FILE = "state.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -143,3 +145,58 @@ def publish(root: pathlib.Path, step: int, state: dict[str, Any], keep_last: int
     for old in list_checkpoints(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+# ----------------------------------------------------------------------------------------------
+# A prepared run's checkpoint (every process calls these: they are collectives when sharded)
+
+
+def save_checkpoint(accelerator, root: pathlib.Path, step: int, *, model, unwrapped, optimizer,
+                    state: dict[str, Any], keep_last: int) -> pathlib.Path:
+    """Write checkpoint ``step`` of a prepared run under ``root`` and return its folder: the trained
+    tensors in full (main process), the optimizer state (under DeepSpeed every process's own
+    partition, else the main process's full state), every process's RNG, and last ``state`` (with
+    ``world_size`` and ``sharded_optimizer`` added) as ``state.json``. ``model`` is what
+    ``accelerator.prepare`` returned, ``unwrapped`` the module inside it."""
+    main, rank = accelerator.is_main_process, accelerator.process_index
+    sharded_optimizer = dist.deepspeed(accelerator)
+    work = staging_dir(root, step)
+    if main:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    trainable = dist.trainable_state(accelerator, unwrapped)
+    optimizer_state = None if sharded_optimizer else dist.optimizer_state(accelerator, model, optimizer)
+    if main:
+        save_tree(work, "trainable", trainable)
+        if optimizer_state is not None:
+            save_tree(work, "optimizer", optimizer_state)
+    if sharded_optimizer:
+        save_tree(work, f"optimizer-rank{rank}", dist.zero_state_dict(optimizer))
+    save_tree(work, f"rng-rank{rank}", rng_state())
+    accelerator.wait_for_everyone()
+    path = checkpoint_dir(root, step)
+    if main:
+        path = publish(root, step, {"step": step, "world_size": accelerator.num_processes,
+                                    "sharded_optimizer": sharded_optimizer, **state}, keep_last)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def restore_checkpoint(accelerator, folder: pathlib.Path, *, model, unwrapped, optimizer) -> dict[str, Any]:
+    """Load checkpoint ``folder`` into a prepared run (trained tensors, optimizer, this process's RNG)
+    and return its ``state.json``; a damaged checkpoint is an error that names the one before it."""
+    state = read_state(folder)
+    try:
+        with dist.full_parameters(accelerator, unwrapped, modify=True):
+            unwrapped.load_trainable_state_dict(load_tree(folder, "trainable"))
+        if state["sharded_optimizer"]:  # ZeRO: every process reads every partition's state
+            dist.load_zero_state_dicts(model, [load_tree(folder, f"optimizer-rank{r}") for r in range(accelerator.num_processes)])
+        else:
+            dist.load_optimizer_state(accelerator, model, optimizer, load_tree(folder, "optimizer"))
+        set_rng_state(load_tree(folder, f"rng-rank{accelerator.process_index}"))
+    except SelfdraftError as err:
+        others = [str(p) for p in list_checkpoints(folder.parent) if p != folder]
+        hint = f"; resume from an earlier one with --resume-from {others[-1]}" if others else ""
+        raise SelfdraftError(f"cannot resume from {folder}: {err}{hint}") from err
+    return state

@@ -395,8 +395,9 @@ def _rendered(conversations, tokenizer, max_length: int, processes: int, chunk: 
 
 def conversations_for(config: DataConfig, tokenizer, usable: int) -> int | None:
     """The ``data.max_conversations`` that renders ``usable`` conversations: conversations with no
-    assistant token within ``max_length`` are dropped when rendering (about 30% of ShareGPT at 512
-    tokens), so a run that wants N conversations must ask for more. None when the source holds fewer."""
+    assistant token within ``max_length`` are dropped when rendering (long ShareGPT questions fill the
+    window before their answer begins), so a run that wants N conversations must ask for more. None
+    when the source holds fewer."""
     if usable <= 0:
         return 0
     found = 0

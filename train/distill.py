@@ -24,14 +24,15 @@ import os
 import pathlib
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable
-
-import torch
-from tqdm.auto import tqdm
+from typing import TYPE_CHECKING, Any, Callable
 
 from selfdraft.configs.schema import DataConfig, to_dict
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.target import TargetIdentity
+
+if TYPE_CHECKING:  # the CLI builds its parser from DistillConfig: no torch at import
+    import torch
+
+    from selfdraft.heads.target import TargetIdentity
 
 MANIFEST = "distill.json"
 
@@ -89,8 +90,9 @@ def _prompts(conversations: list[list[dict]], max_turns: int) -> list[list[dict]
     return out
 
 
-@torch.inference_mode()
 def _generate(target, histories: list[list[dict]], config: DistillConfig, generator: torch.Generator) -> list[str]:
+    import torch
+
     tok = target.tokenizer
     texts = [tok.apply_chat_template(h, tokenize=False, add_generation_prompt=True) for h in histories]
     pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
@@ -109,7 +111,8 @@ def _generate(target, histories: list[list[dict]], config: DistillConfig, genera
     if config.temperature > 0:
         kwargs.update(temperature=config.temperature, top_k=0, top_p=1.0)
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=generator)))
-    out = target.model.generate(**batch, **kwargs)
+    with torch.inference_mode():
+        out = target.model.generate(**batch, **kwargs)
     new = out[:, batch["input_ids"].shape[1]:]
     return [tok.decode(row, skip_special_tokens=True) for row in new]
 
@@ -121,6 +124,8 @@ def distill(target, data: DataConfig, out: str | os.PathLike, config: DistillCon
     ``target``: a loaded Target, or with ``server`` (a :class:`~selfdraft.train.chat_server.ServerConfig`)
     a :class:`TargetText` or a Target (only its tokenizer and identity are used). The server is checked
     before anything is written."""
+    from tqdm.auto import tqdm
+
     from selfdraft.train.data import iter_conversations
 
     if config.batch_size < 1 or config.shard_size < 1 or config.max_turns < 1 or config.max_new_tokens < 1:
@@ -136,7 +141,7 @@ def distill(target, data: DataConfig, out: str | os.PathLike, config: DistillCon
         needed = config.max_prompt_tokens + config.max_new_tokens
         if client.context is not None and client.context < needed:
             # vLLM caps max_tokens at what the context leaves, and refuses the request (HTTP 400) when
-            # a prompt fills it: found 21 minutes into a 1307-conversation job served at 1024 tokens.
+            # a prompt fills it: a job would fail at its first long conversation, after hours of work.
             raise SelfdraftError(
                 f"the server serves {client.model} with a context of {client.context} tokens, fewer than the "
                 f"longest prompt distill sends ({config.max_prompt_tokens} tokens, --max-prompt-tokens) plus "
@@ -150,6 +155,8 @@ def distill(target, data: DataConfig, out: str | os.PathLike, config: DistillCon
     else:
         if not hasattr(target, "model"):
             raise SelfdraftError("distilling without a server needs the target's weights: load it with load_target")
+        import torch
+
         generator = torch.Generator().manual_seed(config.seed)
 
         def answer(histories: list[list[dict]], seeds: list[int]) -> list[str]:
@@ -161,7 +168,7 @@ def distill(target, data: DataConfig, out: str | os.PathLike, config: DistillCon
     out = pathlib.Path(out)
     if (out / MANIFEST).is_file():
         old = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-        if "target_dtype" not in old:  # written before the dtype was recorded (2026-12-02): not known to differ
+        if "target_dtype" not in old:  # a manifest from a version that did not record the dtype: not known to differ
             old = {**old, **{k: manifest[k] for k in ("target_dtype",) if k in manifest}}
         if old != manifest:
             changed = sorted(k for k in set(manifest) | set(old) if old.get(k) != manifest.get(k))

@@ -1,30 +1,111 @@
-"""Export a training run: its finished ``drafter/`` folder, or a drafter built from its latest checkpoint."""
+"""Export: the one path from a training run, a checkpoint or a native folder to any format.
+
+:func:`export` takes a native drafter folder, a run folder (its finished ``drafter/``, else its latest
+complete checkpoint) or one checkpoint folder, and writes the native layout or an engine's layout
+(the writers the drafter's kind declares in the registry). A checkpoint carries its drafter's record
+(kind, dims, decode defaults, target identity; see :func:`drafter_record`), so exporting one builds
+the drafter module from it and its trained tensors: the target is never loaded for that, and no
+training objective is rebuilt. Only an engine layout that carries a copy of a target tensor (vLLM's
+Medusa with a shared LM head, the reference EAGLE code's embedding) loads the target, for that tensor.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import shutil
+from typing import Any
 
 import torch
 
+from selfdraft import __version__
+from selfdraft.configs.schema import to_dict
 from selfdraft.errors import SelfdraftError
 from selfdraft.files import as_if_created
+from selfdraft.heads.io import DrafterRecord, is_drafter_folder, load_drafter, read_record, save_drafter
+from selfdraft.heads.kinds import ExportContext, export_formats, get_kind
+from selfdraft.train import checkpoint as ckpt
+
+
+def evaluation_record(last_eval: dict[str, float], step: int, top_k: int) -> dict[str, Any] | None:
+    """Per-depth held-out accuracies of an evaluation (``eval/top1/head{k}``...), as a drafter
+    record's ``evaluation``; None before the first evaluation."""
+    depths = sorted(int(k.rsplit("head", 1)[1]) for k in last_eval if k.startswith("eval/top1/head"))
+    if not depths:
+        return None
+    return {"step": step, "top_k": top_k,
+            "top1": [round(last_eval[f"eval/top1/head{k}"], 4) for k in depths],
+            "topk": [round(last_eval[f"eval/topk/head{k}"], 4) if f"eval/topk/head{k}" in last_eval else None
+                     for k in depths]}
+
+
+def drafter_record(objective, config, identity, rank_accuracy: torch.Tensor | None,
+                   evaluation: dict[str, Any] | None) -> DrafterRecord:
+    """The native record of ``objective``'s drafter as trained so far: what a checkpoint carries so
+    that it exports on its own, and what the finished run's ``drafter/`` holds."""
+    return DrafterRecord(kind=config.drafter.kind, dims=objective.drafter_module().dims, target=identity,
+                         decode=objective.decode_defaults(rank_accuracy), run_config=to_dict(config),
+                         evaluation=evaluation)
+
+
+def write_native(objective, config, target, rank_accuracy: torch.Tensor | None, out: pathlib.Path,
+                 evaluation: dict[str, Any] | None = None, state: dict[str, torch.Tensor] | None = None) -> pathlib.Path:
+    """Write the finished run's native drafter folder, and where the run trained the target too
+    (Medusa-2's LoRA) the merged target next to it (``OUT-target``), which the record then names.
+    ``state``: the trained tensors in full when the objective's own are shards (FSDP)."""
+    from selfdraft.heads.target import tokenizer_fingerprint
+
+    record = drafter_record(objective, config, target.identity, rank_accuracy, evaluation)
+    if objective.lora:
+        merged_dir = out.parent / f"{out.name}-target"
+        work = out.parent / f".{merged_dir.name}.tmp"
+        shutil.rmtree(work, ignore_errors=True)
+        objective.merged_target().save_pretrained(work, safe_serialization=True)
+        if target.tokenizer is not None:
+            target.tokenizer.save_pretrained(work)
+        as_if_created(work)
+        shutil.rmtree(merged_dir, ignore_errors=True)
+        os.rename(work, merged_dir)
+        record = dataclasses.replace(record, target=dataclasses.replace(
+            record.target, name=str(merged_dir), tokenizer_hash=tokenizer_fingerprint(target.tokenizer)))
+    return save_drafter(out, objective.drafter_module(state), record)
+
+
+def checkpoint_drafter(folder: pathlib.Path):
+    """(module, record) of a checkpoint, from the record and the trained tensors it carries."""
+    state = ckpt.read_state(folder)
+    if "drafter" not in state:
+        raise SelfdraftError(
+            f"{folder} was written by selfdraft {state.get('selfdraft_version', '0.1.0')}, before checkpoints carried "
+            f"their drafter's record; this is selfdraft {__version__}. Export it with selfdraft 0.1.0, or resume the run "
+            "for one step with this version (selfdraft train --resume ... train.max_steps=STEP+1) and export that checkpoint")
+    record = DrafterRecord.from_config(state["drafter"], f"{folder}/state.json: drafter")
+    kind = get_kind(record.kind)
+    reason = kind.trains_target(_run_config(state))
+    if reason:
+        raise SelfdraftError(f"{folder} is a checkpoint of a run whose {reason}: its export is the drafter with the merged "
+                             "target, which the finished run writes. Finish the run (selfdraft train --resume) to export it")
+    module = kind.build(record.dims).float()
+    prefix = state["drafter_prefix"]
+    tensors = {k[len(prefix) + 1:]: v for k, v in ckpt.load_tree(folder, "trainable").items() if k.startswith(prefix + ".")}
+    from selfdraft.heads.folders import load_strict
+
+    load_strict(module, tensors, f"{folder}: the trained tensors do not form the {kind.title} drafter its record describes")
+    return module.eval(), record
+
+
+def _run_config(state: dict):
+    from selfdraft.configs.run import RunConfig, upgrade_config_dict
+    from selfdraft.configs.schema import from_dict
+
+    return from_dict(RunConfig, upgrade_config_dict(state["config"])[0])
 
 
 def export_run(run: str | os.PathLike, out: str | os.PathLike | None = None) -> pathlib.Path:
-    """The native drafter folder of training run ``run``; with ``out``, written (atomically) there.
-
-    A finished run has ``drafter/``; an interrupted one is exported from its latest complete
-    checkpoint, with the sparse tree of the last evaluation that checkpoint recorded.
-    """
-    from selfdraft.configs.run import RunConfig
-    from selfdraft.configs.schema import from_dict
-    from selfdraft.heads.target import load_target
-    from selfdraft.train import checkpoint as ckpt
-    from selfdraft.train.loop import evaluation_record, export_drafter
-    from selfdraft.train.objectives import build_objective
-
+    """The native drafter folder of training run ``run`` (or of one of its checkpoint folders); with
+    ``out``, written (atomically) there. A finished run has ``drafter/``; an interrupted one is exported
+    from its latest complete checkpoint into ``drafter/`` unless ``out`` is given."""
     run = pathlib.Path(run)
     finished = run / "drafter"
     if (finished / "config.json").is_file():
@@ -39,39 +120,25 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike | None = None) -> 
         shutil.rmtree(out, ignore_errors=True)
         os.rename(work, out)
         return out
-    latest = ckpt.latest_checkpoint(run / "checkpoints")
+    latest = run if (run / "state.json").is_file() else ckpt.latest_checkpoint(run / "checkpoints")
     if latest is None:
         raise SelfdraftError(f"{run} is neither a drafter folder nor a training run with a drafter/ or a complete checkpoint")
-    state = ckpt.read_state(latest)
-    config = from_dict(RunConfig, state["config"]).validate()
-    target = load_target(config.target.spec, dtype=config.target.dtype, trust_remote_code=config.target.trust_remote_code)
-    objective = build_objective(config, target.model)  # an EAGLE-3 vocabulary map comes with the checkpoint
-    objective.load_trainable_state_dict(ckpt.load_tree(latest, "trainable"))
-    rank_acc = torch.tensor(state["rank_accuracy"]) if state.get("rank_accuracy") else None
-    evaluation = evaluation_record(state.get("last_eval") or {}, state["step"], config.train.top_k)
-    return export_drafter(objective, config, target, rank_acc, pathlib.Path(out) if out is not None else run / "drafter",
-                          evaluation)
-
-
-
-FORMATS = ("native", "vllm", "sglang", "eagle")
-"""``native`` (selfdraft's own folder) or a serving engine's layout: ``vllm`` (Medusa, EAGLE-1,
-EAGLE-3), ``sglang`` (EAGLE-1, EAGLE-3; also what SpecForge writes and reads) or ``eagle`` (the
-reference SafeAILab/EAGLE code)."""
+    module, record = checkpoint_drafter(latest)
+    return save_drafter(pathlib.Path(out) if out is not None else run / "drafter", module, record)
 
 
 def export(source: str | os.PathLike, fmt: str, out: str | os.PathLike, target: str | None = None,
            acceptance: dict | None = None) -> tuple[pathlib.Path, str]:
-    """Write the drafter of ``source`` (a native drafter folder or a training run) to ``out`` in
-    ``fmt`` (see FORMATS), with a README.md model card in engine layouts. ``target`` overrides the
-    recorded target spec (where its weights or folder are needed); ``acceptance`` is a measured
-    ``{"acceptance_length", "where"}`` for the card. Returns (folder, a one-line description)."""
-    from selfdraft.heads.cards import model_card
-    from selfdraft.heads.io import is_drafter_folder, load_drafter, read_record
+    """Write the drafter of ``source`` (a native drafter folder, a training run or a checkpoint) to
+    ``out`` in ``fmt``: ``native`` or an engine layout its kind writes (``export_formats()``), with a
+    README.md model card in engine layouts. ``target`` overrides the recorded target spec (where its
+    weights or folder are needed); ``acceptance`` is a measured ``{"acceptance_length", "where"}`` for
+    the card. Returns (folder, a one-line description)."""
     from selfdraft.heads.target import load_target, target_folder
 
-    if fmt not in FORMATS:
-        raise SelfdraftError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    known = export_formats()
+    if fmt not in known:
+        raise SelfdraftError(f"unknown export format {fmt!r}; choose one of {', '.join(known)}")
     source = str(source)
     if not is_drafter_folder(source):
         folder = export_run(source, out if fmt == "native" else None)
@@ -81,45 +148,20 @@ def export(source: str | os.PathLike, fmt: str, out: str | os.PathLike, target: 
     elif fmt == "native":
         raise SelfdraftError(f"{source} is already a native drafter folder")
     record = read_record(source)
+    writer = get_kind(record.kind).writer(fmt)  # an unsupported format is refused before anything loads
     spec = target or record.target.name
-    out = pathlib.Path(out).resolve()
-    target_path = str(target_folder(spec) or spec)
-    card = dict(engine=fmt, kind=record.kind, target=record.target.to_dict(), target_path=target_path, folder=str(out),
-                run_config=record.run_config, evaluation=record.evaluation, acceptance=acceptance)
-    if record.kind in ("eagle", "eagle3"):
-        from selfdraft.heads.eagle_formats import ENGINE_NAMES, check_exportable, export_eagle
+    loaded = []
 
-        drafter, record = load_drafter(source)
-        check_exportable(drafter, fmt, record.target)  # before loading a target for nothing
-        embed = None
-        if fmt == "eagle":
-            loaded = load_target(spec)
-            if loaded.identity.mismatches(record.target):
-                raise SelfdraftError(f"target {spec} is not the one {source} was trained for: "
-                                     + "; ".join(loaded.identity.mismatches(record.target)))
-            embed = loaded.model.get_input_embeddings().weight.detach()
-        tree = record.decode.get("tree") or {"depth": 3, "top_k": 2, "max_nodes": 4}
-        details = [f"one Llama decoder layer (hidden {drafter.hidden_size})"]
-        if drafter.kind == "eagle3":
-            details += [f"fuses the target's hidden_states {sorted(drafter.aux_layers)}",
-                        f"draft vocabulary {drafter.draft_vocab_size} of {drafter.vocab_size} tokens"]
-        text = model_card(engine_name=ENGINE_NAMES[fmt], tree=tree, details=details, **card)
-        folder = export_eagle(drafter, out, fmt, record.target, embed, card=text)
-        return folder, f"wrote the {record.kind} drafter for {ENGINE_NAMES[fmt]} to {folder}"
-    if fmt != "vllm":
-        raise SelfdraftError(f"{fmt} has no Medusa loader; export Medusa heads with --format vllm")
-    from selfdraft.heads.formats import export_vllm_medusa
+    def load_recorded_target():
+        if not loaded:
+            candidate = load_target(spec)
+            diff = candidate.identity.mismatches(record.target)
+            if diff:
+                raise SelfdraftError(f"target {spec} is not the one {source} was trained for: " + "; ".join(diff))
+            loaded.append(candidate)
+        return loaded[0]
 
-    lm_head = None
-    if record.kind == "medusa" and not record.dims["own_lm_head"]:
-        loaded = load_target(spec)
-        heads, record = load_drafter(source, loaded.identity)
-        lm_head = loaded.model.get_output_embeddings().weight.to(next(heads.parameters()).dtype)
-    else:
-        heads, record = load_drafter(source)
-    K = heads.num_heads
-    details = [f"{K} heads of {len(heads.blocks[0])} residual blocks",
-               "its own LM heads" if heads.lm_heads is not None else "the target's LM head (copied in)"]
-    text = model_card(engine_name="vLLM", tree={"depth": K, "top_k": 1, "max_nodes": K}, details=details, **card)
-    folder = export_vllm_medusa(heads, out, lm_head, card=text)
-    return folder, f"wrote the {record.kind} drafter in vLLM's MedusaModel layout to {folder}"
+    module, record = load_drafter(source)
+    context = ExportContext(record=record, out=pathlib.Path(out).resolve(), target_path=str(target_folder(spec) or spec),
+                            load_target=load_recorded_target, acceptance=acceptance)
+    return writer.write(module, context)

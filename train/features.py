@@ -20,7 +20,7 @@ Layout of a cache folder::
 The plan (which examples go in which shard) is fixed before the first shard is written; shards
 are written atomically, one at a time, so a rerun with the same settings skips the finished ones.
 With ``--steps N`` only the training examples that the first N optimizer steps visit are cached
-(the data order is a pure function of the seed, see ``loop.stream_index``); ``--processes P`` is the
+(the data order is a pure function of the seed, see ``batches.stream_index``); ``--processes P`` is the
 process count of the run that will train from the cache, since the visit order depends on it.
 
 Several processes write one cache together (``accelerate launch -m selfdraft.features ...``): all
@@ -32,38 +32,60 @@ interrupted write.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
 import shutil
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from selfdraft.errors import SelfdraftError
 from selfdraft.files import as_if_created
+from selfdraft.train.batches import check_context, data_key, prepare_data, stream_index
+from selfdraft.train.distributed import fresh_accelerate_state, process_group_handlers, resolve_mixed_precision
 
 MANIFEST = "features.json"
 FORMAT_VERSION = 1
 
 
-def feature_layers(kind: str, num_layers: int, aux_layers: list[int] | tuple[int, ...] = ()) -> list[int]:
-    """The ``hidden_states`` indices a drafter kind trains on; the last one is always the final
-    normed state (index ``num_layers``), from which the target's logits are recomputed."""
-    if kind == "eagle3":
-        from selfdraft.heads.eagle import default_aux_layers
+@dataclasses.dataclass(frozen=True)
+class FeatureSource:
+    """Where a run's target features come from: ``train.features`` parsed.
 
-        aux = [i + num_layers + 1 if i < 0 else i for i in (list(aux_layers) or default_aux_layers(num_layers))]
-        if not all(0 <= i <= num_layers for i in aux):
-            raise SelfdraftError(f"EAGLE-3 aux layers {aux} out of range for a target with {num_layers} layers")
-        return [*aux, num_layers]
-    return [num_layers]
+    * ``online``: the target runs in every step (``train.features`` empty);
+    * ``auto``: decided before the run starts (``selfdraft.train.budget.resolve_features``): a cache
+      in ``output_dir/features`` when the run reads its conversations often enough, else online;
+    * ``cache``: the feature cache in folder ``path``, written by ``selfdraft features``.
+    """
+
+    kind: Literal["online", "auto", "cache"]
+    path: pathlib.Path | None = None
+
+    AUTO = "auto"
+    """The ``train.features`` value that asks for ``auto``."""
+
+    @classmethod
+    def parse(cls, value: str | os.PathLike | None) -> FeatureSource:
+        if value is None or str(value) == "":
+            return cls("online")
+        if str(value) == cls.AUTO:
+            return cls("auto")
+        return cls("cache", pathlib.Path(value))
+
+    def __str__(self) -> str:
+        """The ``train.features`` value that parses to this source."""
+        return {"online": "", "auto": self.AUTO}.get(self.kind, str(self.path))
 
 
-def run_feature_layers(config, target_model) -> list[int]:
-    """``feature_layers`` for a run config and its target."""
-    text = target_model.config.get_text_config()
-    return feature_layers(config.drafter.kind, text.num_hidden_layers, config.drafter.eagle.aux_layers)
+def feature_layers(config, num_layers: int) -> list[int]:
+    """The ``hidden_states`` indices the run's drafter kind trains on (from the registry); the last one
+    is always the final normed state (index ``num_layers``), from which the target's logits are
+    recomputed."""
+    from selfdraft.heads.kinds import get_kind
+
+    return get_kind(config.drafter.kind).feature_layers(config, num_layers)
 
 
 @torch.no_grad()
@@ -74,7 +96,7 @@ def target_features(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
 
     Rows hold their tokens first, then their padding. Unpacked (``position_ids`` None), a row is one
     conversation, run through the target alone and unpadded, so its features do not depend on the
-    batch it is in. Packed (``position_ids`` restarting at every conversation, ``train.loop.collate``):
+    batch it is in. Packed (``position_ids`` restarting at every conversation, ``batches.collate``):
 
     * ``per_conversation`` (the default on a CPU): each conversation of a row runs alone, as unpacked,
       and its features are the same bits. On a CPU attention is dense whatever the mask, so a row of
@@ -123,8 +145,6 @@ def target_features(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
 
 def _visited(n: int, steps: int, global_batch: int, seed: int) -> list[int]:
     """Training example indices the first ``steps`` optimizer steps visit, in first-visit order."""
-    from selfdraft.train.loop import stream_index
-
     seen: dict[int, None] = {}
     for position in range(steps * global_batch):
         seen.setdefault(stream_index(position, n, seed), None)
@@ -170,45 +190,88 @@ def _diff(old: dict, new: dict) -> list[str]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
-def write_features(config, out: str | os.PathLike | None = None, *, max_gb: float = 20.0, dtype: str = "auto",
+@dataclasses.dataclass(frozen=True)
+class CacheSize:
+    """What a feature cache takes on disk, against what it may take."""
+
+    total_gb: float
+    """The whole cache."""
+    todo_gb: float
+    """Its shards not written yet."""
+    free_gb: float
+    """Free disk where it goes (the main process's reading)."""
+    max_gb: float
+    """The most it may take."""
+
+    @property
+    def fits(self) -> bool:
+        return self.total_gb <= self.max_gb and self.todo_gb <= self.free_gb
+
+    def shortfall(self) -> str:
+        """Why it does not fit (empty when it does)."""
+        if self.total_gb > self.max_gb:
+            return f"the feature cache needs {self.total_gb:.2f} GB, more than --max-gb {self.max_gb:g}"
+        if self.todo_gb > self.free_gb:
+            return f"the feature cache needs {self.todo_gb:.2f} GB more and the disk has {self.free_gb:.1f} GB free"
+        return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOutcome:
+    """What :func:`cache_features` did."""
+
+    folder: pathlib.Path
+    size: CacheSize
+    refusal: str = ""
+    """Why nothing was written, with what to do instead (empty when the cache was written)."""
+
+    @property
+    def written(self) -> bool:
+        return not self.refusal
+
+
+def write_features(config, out: str | os.PathLike | None = None, **options) -> pathlib.Path:
+    """:func:`cache_features`, raising its refusal when the cache does not fit (nothing written then);
+    returns the cache folder."""
+    outcome = cache_features(config, out, **options)
+    if not outcome.written:
+        raise SelfdraftError(outcome.refusal)
+    return outcome.folder
+
+
+def cache_features(config, out: str | os.PathLike | None = None, *, max_gb: float = 20.0, dtype: str = "auto",
                    steps: int | None = None, processes: int = 1, shard_tokens: int = 1 << 16,
-                   layers: list[int] | None = None, stop_after_shards: int | None = None) -> pathlib.Path:
+                   layers: list[int] | None = None, stop_after_shards: int | None = None,
+                   cpu: bool = False) -> CacheOutcome:
     """Precompute the target's features for ``config``'s data into ``out`` (default: the run folder's
     ``features/``); see the module docstring. ``steps`` limits the training split to the examples
-    the first ``steps`` optimizer steps visit with ``processes`` processes. Raises before writing
-    anything when the cache would take more than ``max_gb`` GB or more than the free disk space.
-    ``stop_after_shards`` stops this process after that many shards (as an interruption would), for tests.
+    the first ``steps`` optimizer steps visit with ``processes`` processes. Writes nothing, and says
+    why in the outcome, when the cache would take more than ``max_gb`` GB or more than the free disk
+    space: the size is known from the rendered data before the target's weights load. ``cpu``
+    computes on the CPU even where there is a GPU. ``stop_after_shards`` stops this process after
+    that many shards (as an interruption would), for tests.
 
     Under ``accelerate launch`` the processes share the unfinished shards; every check before the
-    first write runs on all of them alike, so an error stops every process rather than leaving some
-    waiting for the others."""
-    import datetime
-
+    first write runs on all of them alike (the free disk is the main process's reading), so all
+    decide the same, rather than leaving some waiting for the others."""
     from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
+    from accelerate.utils import broadcast_object_list
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     from selfdraft.heads.target import load_target, load_target_tokenizer, resolve_dtype, target_folder
-    from selfdraft.train.loop import check_context, data_key, prepare_data
 
     t = config.train
     run_dir = pathlib.Path(t.output_dir)
     out = pathlib.Path(out) if out is not None else run_dir / "features"
     if t.num_threads:  # as the run computes its online features
         torch.set_num_threads(t.num_threads)
-    # Several processes without GPUs talk over gloo; every wait gives up after train.dist_timeout_minutes.
-    handlers = []
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        handlers.append(InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=t.dist_timeout_minutes),
-                                               **({} if torch.cuda.is_available() else {"backend": "gloo"})))
-    # The run's autocast too: its online features are computed under it.
-    from selfdraft.train.loop import fresh_accelerate_state, resolve_mixed_precision
-
+    handlers = process_group_handlers(t.dist_timeout_minutes)
     if not handlers:  # not launched: this call owns the process
         fresh_accelerate_state()
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=resolve_mixed_precision(t.mixed_precision),
-                              kwargs_handlers=handlers)
+    # The run's autocast too: its online features are computed under it.
+    accelerator = Accelerator(cpu=cpu or not torch.cuda.is_available(),
+                              mixed_precision=resolve_mixed_precision(t.mixed_precision, cpu), kwargs_handlers=handlers)
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     # A built-in target is converted once per node.
     with accelerator.local_main_process_first():
@@ -219,7 +282,7 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     target_dtype = resolve_dtype(config.target.dtype, accelerator.device)
     num_layers, hidden = identity.num_layers, identity.hidden_size
     layers = (sorted(set(layers) | {num_layers}) if layers
-              else feature_layers(config.drafter.kind, num_layers, config.drafter.eagle.aux_layers))
+              else feature_layers(config, num_layers))
     if not all(0 <= i <= num_layers for i in layers):
         raise SelfdraftError(f"layers {layers} out of range for a target with {num_layers} layers")
     store = target_dtype if dtype == "auto" else getattr(torch, dtype, None)
@@ -250,27 +313,25 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     shard_path = {(name, s): out / name / f"shard-{s:05d}.safetensors" for name in plan for s in range(len(plan[name]))}
     todo = [(name, s) for (name, s), path in shard_path.items() if not path.is_file()]
     todo_tokens = sum(len(splits[name][0][i][0]) for name, s in todo for i in plan[name][s])
-    total_gb, todo_gb = sum(tokens.values()) * per_token / 1e9, todo_tokens * per_token / 1e9
     existing = next(p for p in (out, *out.absolute().parents) if p.exists())  # the folder may not exist yet
     # The main process's reading for all: processes reading at different moments could decide differently.
-    free_gb = broadcast_object_list([shutil.disk_usage(existing).free / 1e9])[0]
+    size = CacheSize(total_gb=sum(tokens.values()) * per_token / 1e9, todo_gb=todo_tokens * per_token / 1e9,
+                     free_gb=broadcast_object_list([shutil.disk_usage(existing).free / 1e9])[0], max_gb=max_gb)
     if main:
         print(f"feature cache {out} for {identity.name} ({num_layers} layers, hidden {hidden}): {len(train_idx)} train + "
               f"{len(eval_data)} eval conversations, {sum(tokens.values())} tokens x {len(layers)} layers {layers} x "
-              f"{hidden} in {key['dtype']}: {total_gb:.2f} GB ({todo_gb:.2f} GB left to write, {free_gb:.1f} GB free); "
-              f"{len(todo)} of {len(shard_path)} shards to write by {world} process{'es' if world > 1 else ''}")
-    if total_gb > max_gb or todo_gb > free_gb:
-        folder = target_folder(config.target.spec)
-        online = _online_cost(folder, tokens["train"], identity)
-        fixes = [f"raise --max-gb (now {max_gb:g})" if total_gb > max_gb else "free disk space"]
+              f"{hidden} in {key['dtype']}: {size.total_gb:.2f} GB ({size.todo_gb:.2f} GB left to write, "
+              f"{size.free_gb:.1f} GB free); {len(todo)} of {len(shard_path)} shards to write by {world} "
+              f"process{'es' if world > 1 else ''}")
+    if not size.fits:
+        online = _online_cost(target_folder(config.target.spec), tokens["train"], identity)
+        fixes = [f"raise --max-gb (now {max_gb:g})" if size.total_gb > max_gb else "free disk space"]
         if store.itemsize > 2:
             fixes.append("store --dtype bfloat16 (half the size)")
         fixes += ["cache fewer --steps", "or lower data.max_conversations"]
-        need = (f"the feature cache needs {total_gb:.2f} GB, more than --max-gb {max_gb:g}" if total_gb > max_gb
-                else f"the feature cache needs {todo_gb:.2f} GB more and the disk has {free_gb:.1f} GB free")
-        raise SelfdraftError(f"{need}. Train with online features instead (leave train.features unset): the run then "
-                             f"computes them with the target's forward in every step and needs no disk{online}. "
-                             f"Else {', '.join(fixes)}.")
+        return CacheOutcome(out, size, refusal=(
+            f"{size.shortfall()}. Train with online features instead (leave train.features unset): the run then "
+            f"computes them with the target's forward in every step and needs no disk{online}. Else {', '.join(fixes)}."))
     target = load_target(config.target.spec, dtype=config.target.dtype, device=str(accelerator.device),
                          trust_remote_code=config.target.trust_remote_code)
     if target.identity != identity or target.model.dtype != target_dtype:
@@ -309,7 +370,7 @@ def write_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     progress.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    return out
+    return CacheOutcome(out, size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,6 +432,17 @@ class FeatureCache:
                                  "equal to the run's process count (the global batch, and so the visit order, "
                                  "depends on it)")
 
+    def steps_covered(self, n: int, global_batch: int, seed: int) -> int | None:
+        """How many optimizer steps of global batch ``global_batch`` over a training split of ``n``
+        examples find every example they visit here; None when the cache holds the whole split."""
+        where = self._where.get("train", {})
+        if all(i in where for i in range(n)):
+            return None
+        position = 0  # an absent example comes within the first epoch: each epoch visits all n
+        while stream_index(position, n, seed) in where:
+            position += 1
+        return position // global_batch
+
     def get(self, split: str, index: int) -> torch.Tensor:
         """(tokens, layers, H) features of example ``index`` of ``split``, the run's layers in order."""
         from safetensors import safe_open
@@ -404,7 +476,8 @@ class FeatureCache:
 
 
 def open_feature_cache(config, target, layers: list[int]) -> FeatureCache:
-    from selfdraft.train.loop import data_key
-
-    return FeatureCache(config.train.features, identity=target.identity, data=data_key(config, target.tokenizer),
-                        layers=layers)
+    """The cache ``train.features`` names, checked against the run's target, data and layers."""
+    source = FeatureSource.parse(config.train.features)
+    if source.kind != "cache":
+        raise SelfdraftError(f"train.features is {str(source) or 'empty'}: no feature cache to open")
+    return FeatureCache(source.path, identity=target.identity, data=data_key(config, target.tokenizer), layers=layers)

@@ -1,6 +1,8 @@
-"""Training objectives: the trainable module that the one loop optimises, and its loss.
+"""Training objectives: the trainable module that the one loop optimises, and the losses they share.
 
-An objective is an ``nn.Module`` holding the target and the drafter. ``forward(batch)`` takes the
+Each drafter kind brings its objective (a :class:`DrafterObjective`, named by its registry entry);
+this module holds the interface, :func:`build_objective`, and the machinery every kind's loss is
+made of. An objective is an ``nn.Module`` holding the target and the drafter. ``forward(batch)`` takes the
 target's features (``feature_layers`` of them) from the batch when they were precomputed, else runs
 the frozen target for them (``features.target_features``; Medusa-2 runs its LoRA-adapted target with
 gradients), computes the drafter's loss, and returns ``(loss, stats)`` where
@@ -12,7 +14,7 @@ Batch layout (right-padded): ``input_ids`` (B, T) long, ``attention_mask`` (B, T
 padding.
 
 Memory: no (positions x vocabulary) tensor is ever built for a whole batch. Every loss is taken at
-the supervised positions only, through ``_head_losses``: it projects a chunk of positions at a time
+the supervised positions only, through ``head_losses``: it projects a chunk of positions at a time
 (``chunk_elements`` logits, about 128 MiB per fp32 tensor by default) onto the drafter's vocabulary
 and the target's, and computes the loss's gradients in the same pass, so that only (positions x H)
 gradients and the (V x H) weight gradients outlive a chunk.
@@ -33,18 +35,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from selfdraft.configs.run import MedusaConfig, RunConfig
+from selfdraft.configs.run import RunConfig
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.medusa import MedusaHeads
-from selfdraft.train.features import feature_layers, target_features
-from selfdraft.train.profile import phase, recording
 
 LOSS_CHUNK_ELEMENTS = 1 << 24
 """Logits the losses hold at once, positions x vocabulary: a chunk has three or four fp32 tensors of
 this size (64 MiB each), 130 positions of a 128k vocabulary, 341 of SmolLM2's 49k."""
 
 
-def _zero_loss(module: nn.Module) -> torch.Tensor:
+def zero_loss(module: nn.Module) -> torch.Tensor:
     """0 connected to every parameter of ``module``: DDP then sees a gradient for every parameter in
     every backward, whatever the batch held. Under DeepSpeed ZeRO-3 (partitioned parameters, which
     carry ``ds_id``) a plain 0: touching a partitioned parameter outside its module's forward would
@@ -60,7 +59,7 @@ def _zero_loss(module: nn.Module) -> torch.Tensor:
     return sum(p.sum() for p in params) * 0.0
 
 
-def _gathered(params: list[torch.Tensor | None]):
+def gathered(params: list[torch.Tensor | None]):
     """Read ``params`` whole inside the context: a target created partitioned under DeepSpeed ZeRO-3
     (``zero3_init_flag``) holds a shard of each weight per process, gathered here and released after."""
     params = [p for p in params if p is not None]
@@ -71,7 +70,7 @@ def _gathered(params: list[torch.Tensor | None]):
     return deepspeed.zero.GatheredParameters(params)
 
 
-def _load_trainable(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_trainable(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy ``state`` into the tensors ``module.trainable_state_dict()`` names, which it must match."""
     mine = module.trainable_state_dict()
     if set(mine) != set(state) or any(mine[n].shape != state[n].shape for n in mine):
@@ -88,7 +87,7 @@ def _load_trainable(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
                 tensor.copy_(value)
 
 
-def _unshard_units(module: nn.Module) -> None:
+def unshard_units(module: nn.Module) -> None:
     """Gather the FSDP2 units inside ``module`` for this step. FSDP's auto-wrap makes a unit of every
     module of the target's decoder-layer class, the drafter's own layer of that class included, but the
     drafter calls that layer's parts rather than its forward, so the unit's hooks would never gather it.
@@ -100,13 +99,13 @@ def _unshard_units(module: nn.Module) -> None:
             m.unshard()
 
 
-def _segments(position_ids: torch.Tensor) -> torch.Tensor:
+def segments_of(position_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) conversation number of each position of a packed batch: positions restart at 0 where a
     conversation (or a row's trailing padding) begins (``train.loop.collate``)."""
     return (position_ids == 0).cumsum(-1)
 
 
-def _subtree(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+def subtree(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     return {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
 
 
@@ -116,7 +115,7 @@ def _top_hits(logits: torch.Tensor, label: torch.Tensor, top_k: int) -> tuple[to
     return (top[:, 0] == label).sum(), (top == label[:, None]).any(-1).sum()
 
 
-def _linear(module: nn.Module, what: str) -> nn.Linear:
+def as_linear(module: nn.Module, what: str) -> nn.Linear:
     """``module`` as the plain ``nn.Linear`` whose weight the losses project with directly."""
     if not isinstance(module, nn.Linear):
         raise SelfdraftError(f"{what} is a {type(module).__name__}: the losses project with its weight and need a "
@@ -125,7 +124,7 @@ def _linear(module: nn.Module, what: str) -> nn.Linear:
 
 
 @dataclasses.dataclass
-class _Teacher:
+class Teacher:
     """What the drafter is scored against at N positions, a chunk of rows at a time and without
     gradient: the target's distribution, ``hidden`` (N, D) through its LM head ``head``, restricted to
     the vocabulary ``columns`` (V',) and renormalised there when given (a KL loss); or token ids
@@ -170,7 +169,7 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @dataclasses.dataclass
-class _Group:
+class Group:
     """One loss term: the drafter's features ``hidden`` (M, D) (with gradient) through ``head`` give
     logits (M, V) scored against teacher rows ``rows`` (M,) (ascending); its mean over the M rows is
     weighted by ``weight`` in the total."""
@@ -182,7 +181,7 @@ class _Group:
 
 
 class _HeadLossFunction(torch.autograd.Function):
-    """``_head_losses`` as one autograd node: the forward pass computes the losses and their gradients
+    """``head_losses`` as one autograd node: the forward pass computes the losses and their gradients
     chunk by chunk, the backward pass only scales the gradients it kept."""
 
     @staticmethod
@@ -289,7 +288,7 @@ class _HeadLossFunction(torch.autograd.Function):
         return (None, *out)
 
 
-def _head_losses(groups: list[_Group], teacher: _Teacher, *, top_k: int, ranks: int, chunk_elements: int):
+def head_losses(groups: list[Group], teacher: Teacher, *, top_k: int, ranks: int, chunk_elements: int):
     """The drafter's losses against ``teacher``, computed a chunk of positions at a time.
 
     Returns ``total`` (the sum over groups of weight x mean loss, differentiable with respect to each
@@ -309,7 +308,7 @@ def _head_losses(groups: list[_Group], teacher: _Teacher, *, top_k: int, ranks: 
     return _HeadLossFunction.apply(plan, *tensors)
 
 
-def _teacher_rows(selections: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+def teacher_rows(selections: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """The positions any selection uses, ``need`` (B, S) bool (the teacher's rows are ``x[need]``), and
     each selection's rows among them, (M_i,) long, ascending: selections (B, S) bool, row-major."""
     if not selections:
@@ -319,370 +318,59 @@ def _teacher_rows(selections: list[torch.Tensor]) -> tuple[torch.Tensor | None, 
     return need, [row_of[sel] for sel in selections]
 
 
-class MedusaObjective(nn.Module):
-    """Medusa-1 (frozen target) or Medusa-2 (LoRA on the target, trained jointly).
+class DrafterObjective(nn.Module):
+    """What the training loop needs of a kind's objective. A subclass is built as
+    ``cls(config, target_model, train_data)`` (``train_data``: the rendered (input_ids, loss_mask)
+    pairs, None when the state comes from a checkpoint) and defines ``forward(input_ids,
+    attention_mask, loss_mask, features=None, position_ids=None) -> (loss, stats)``, where stats are
+    sums (``head_loss``, ``head_tokens``, ``top1``, ``topk`` per depth; ``rank_hits`` (K, R) held out)."""
 
-    Head k at position t reads the target's final hidden state h_t and predicts token t+2+k. Its
-    label is the target's own next-token distribution at position t+1+k (``labels: target``, a KL
-    loss; top-k accuracy is measured against the target's argmax, which is what greedy verification
-    accepts) or the data's token t+2+k (``labels: data``, cross-entropy). Only positions whose
-    predicted token is an assistant token count. Head k's loss is weighted by ``head_decay**k``.
-    """
+    lora: bool = False
+    """True when the target itself trains (Medusa-2): the loop then gathers it for the export."""
+    feature_layers: list[int]
+    """The target's ``hidden_states`` indices the drafter reads (the last is the final normed state)."""
 
-    def __init__(self, target_model: nn.Module, config: MedusaConfig, top_k: int, seed: int,
-                 chunk_elements: int = LOSS_CHUNK_ELEMENTS):
-        super().__init__()
-        cfg = target_model.config.get_text_config()
-        self.config, self.top_k, self.chunk_elements = config, top_k, chunk_elements
-        self.lora = config.lora.rank > 0
-        if self.lora:
-            from peft import LoraConfig, get_peft_model
-
-            # Seeded here: the adapters' random start must not depend on what loading the target drew.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed + 1)
-                target_model = get_peft_model(target_model, LoraConfig(
-                    r=config.lora.rank, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
-                    target_modules=list(config.lora.target_modules), bias="none"))
-        else:
-            target_model.requires_grad_(False)
-        self.target = target_model
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self._heads_args = (cfg.hidden_size, cfg.vocab_size, config.num_heads, config.num_layers, config.own_lm_head)
-            self.heads = MedusaHeads(*self._heads_args)
-            weight = target_model.get_output_embeddings().weight
-            # (On meta when FSDP loads the weights on local rank 0 only; accelerate then broadcasts that
-            # rank's whole objective, these copies included.)
-            if config.own_lm_head and not weight.is_meta:  # start every head's projection as the target's LM head
-                with _gathered([weight]):
-                    for head in self.heads.lm_heads:
-                        head.weight.data.copy_(weight.detach().float())
-        self.heads.float()
-        self.feature_layers = feature_layers("medusa", cfg.num_hidden_layers)
+    def drafter_name(self) -> str:
+        """The drafter module's attribute name here: its tensors are ``NAME.*`` in the trainable state."""
+        drafter = self.drafter_module()
+        return next(n for n, m in self.named_children() if m is drafter)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """The parameters being trained (heads, plus LoRA weights in Medusa-2), by name."""
-        return {n: p.detach() for n, p in self.named_parameters() if p.requires_grad}
-
-    load_trainable_state_dict = _load_trainable
-
-    def drafter_module(self, state: dict[str, torch.Tensor] | None = None) -> MedusaHeads:
-        """The heads; with ``state`` (full tensors, as ``trainable_state_dict`` names them, e.g. gathered
-        from FSDP shards) a new, unsharded copy holding them."""
-        if state is None:
-            return self.heads
-        with torch.random.fork_rng(devices=[]):
-            heads = MedusaHeads(*self._heads_args).float()
-        heads.load_state_dict(_subtree(state, "heads"))
-        return heads
-
-    def _lm_head(self) -> nn.Module:
-        return self.target.get_output_embeddings()
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                features: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
-        cfg = self.config
-        lm_head = _linear(self._lm_head(), "the target's LM head")
-        packed = position_ids is not None
-        segments = _segments(position_ids) if packed else None
-        if self.lora:  # Medusa-2: the adapted target runs with gradients, its features are not fixed
-            if features is not None:
-                raise SelfdraftError("Medusa-2 trains the target: precomputed features do not apply")
-            # logits_to_keep=1: the losses project the hidden states themselves, a chunk at a time.
-            with phase("target forward (LoRA, with gradients)"):
-                # Packed: no attention mask, so that transformers keeps attention within each conversation.
-                # use_cache=False: with a cache, transformers does not look for packed sequences.
-                out = self.target(input_ids=input_ids, attention_mask=None if packed else attention_mask,
-                                  position_ids=position_ids, output_hidden_states=True, use_cache=False,
-                                  logits_to_keep=1)
-            hidden = out.hidden_states[-1]  # (B, T, D) final normed state, with LoRA gradients
-        else:
-            if features is None:
-                with phase("target forward"):
-                    features = target_features(self.target, input_ids, attention_mask, self.feature_layers,
-                                               position_ids)
-            hidden = features[:, :, -1]  # (B, T, D): final normed state, lm_head(hidden) == logits
-        heads_dtype = next(self.heads.parameters()).dtype
-        B, T = input_ids.shape
-        K = cfg.num_heads
-        R = cfg.tree_ranks
-        device = input_ids.device
-        loss = _zero_loss(self.heads)
-        mask = loss_mask.bool() & attention_mask.bool()
-        # Head k at position t is scored at the target's position u = t+1+k: against the target's
-        # distribution there (labels: target) or the data's next token, input_ids[u+1] (labels: data).
-        chosen = []  # (k, sel (B, n) over t, the same (B, T) over u = t+1+k)
-        for k in range(K):
-            n = max(0, T - 2 - k)  # positions t with a token t+2+k (none in a short batch: an empty group)
-            sel = mask[:, 2 + k:]  # (B, n): is the predicted token t+2+k an assistant token
-            if packed:  # ... of the conversation of position t
-                sel = sel & (segments[:, 2 + k:] == segments[:, :n])
-            if self.training and cfg.position_fraction < 1:
-                sel = sel & (torch.rand(sel.shape, device=device) < cfg.position_fraction)
-            at = torch.zeros(B, T, dtype=torch.bool, device=device)
-            at[:, 1 + k:1 + k + n] = sel
-            chosen.append((k, sel, at))
-        need, rows = _teacher_rows([at for _, _, at in chosen])  # need (B, T): the positions u in use
-        groups = []
-        for (k, sel, _), head_rows in zip(chosen, rows):
-            # Every head runs, on zero rows when the batch has none for it (collective safety, _zero_loss).
-            # The target's (maybe bf16) state, cast to the heads' fp32 master weights' dtype; then head k's
-            # blocks (MedusaHeads.head_logits, less its vocabulary projection, which the loss applies).
-            with phase("drafter forward"):
-                h = self.heads.blocks[k](hidden[:, :sel.shape[1]][sel].to(heads_dtype))  # (M, D)
-            head = self.heads.lm_heads[k] if self.heads.lm_heads is not None else lm_head
-            groups.append(_Group(h, head, head_rows, cfg.head_decay ** k))
-        if cfg.labels == "target":
-            teacher = _Teacher(hidden=hidden.detach()[need], head=lm_head)
-        else:
-            following = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)  # (B, T): token u+1 at u
-            teacher = _Teacher(labels=following[need])
-        with phase("losses"):
-            total, table = _head_losses(groups, teacher, top_k=self.top_k, ranks=0 if self.training else R,
-                                        chunk_elements=self.chunk_elements)
-        loss = loss + total
-        tokens = torch.tensor([float(len(g.rows)) for g in groups], device=device)
-        stats = {"head_loss": table[:, 0] * tokens, "head_tokens": tokens, "top1": table[:, 1], "topk": table[:, 2],
-                 "rank_hits": torch.zeros(K, R, device=device) if self.training else table[:, 3:]}
-        if self.lora and cfg.lora.lm_loss_weight > 0:
-            lm_loss, lm_tokens = self._lm_loss(input_ids, attention_mask, mask, hidden, lm_head, position_ids)
-            loss = loss + cfg.lora.lm_loss_weight * lm_loss
-            stats["lm_loss"] = (lm_loss.detach() * lm_tokens).reshape(1)
-            stats["lm_tokens"] = torch.tensor([float(lm_tokens)], device=device)
-        return loss, stats
-
-    def _lm_loss(self, input_ids, attention_mask, mask, hidden, lm_head, position_ids=None):
-        """The target's own loss in Medusa-2, on positions that predict an assistant token: against the
-        data (``ce``) or the target without its adapter (``kl``); hidden (B, T, D) with gradients."""
-        sel = mask[:, 1:]  # (B, T-1)
-        if position_ids is not None:  # packed: the next token must be of the same conversation
-            segments = _segments(position_ids)
-            sel = sel & (segments[:, 1:] == segments[:, :-1])
-        h = hidden[:, :-1][sel]  # (M, D)
-        m = len(h)  # may be 0: the adapter-free forward still runs on every process (collective safety)
-        if self.config.lora.lm_loss == "ce":
-            teacher = _Teacher(labels=input_ids[:, 1:][sel])
-        else:
-            with torch.no_grad(), self.target.disable_adapter():
-                ref = self.target(input_ids=input_ids, attention_mask=None if position_ids is not None else attention_mask,
-                                  position_ids=position_ids, output_hidden_states=True, use_cache=False,
-                                  logits_to_keep=1).hidden_states[-1]  # (B, T, D)
-            teacher = _Teacher(hidden=ref[:, :-1][sel], head=lm_head)
-        rows = torch.arange(m, device=h.device)
-        loss, _ = _head_losses([_Group(h, lm_head, rows, 1.0)], teacher, top_k=1, ranks=0,
-                               chunk_elements=self.chunk_elements)
-        return loss, m
-
-    def merged_target(self) -> nn.Module:
-        """The target the heads decode with: the LoRA-merged model in Medusa-2, the frozen one otherwise."""
-        if not self.lora:
-            return self.target
-        import copy
-
-        return copy.deepcopy(self.target).merge_and_unload()
-
-
-def draft_vocabulary(train_data, vocab_size: int, size: int) -> torch.Tensor:
-    """EAGLE-3's draft vocabulary: the ``size`` most frequent assistant tokens of the training data
-    (ties by smaller id), padded with the smallest unused ids if fewer distinct tokens occur; (V',)."""
-    size = min(size, vocab_size)
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for ids, mask in train_data:
-        np.add.at(counts, ids[mask.astype(bool)], 1)
-    order = np.lexsort((np.arange(vocab_size), -counts))  # count descending, then id ascending
-    return torch.from_numpy(np.sort(order[:size]).copy())
-
-
-def _ttt_mask(length: int, step: int, dtype: torch.dtype, device, segments: torch.Tensor | None = None) -> torch.Tensor:
-    """EAGLE-3 training-time test attention at unrolled step j: (1, 1, L, (j+1) L) additive, or
-    (B, 1, L, (j+1) L) for a packed batch (``segments`` (B, L): each position's conversation).
-
-    Query t sees step-0 keys (true target features) at positions <= t - j, and the key of step i
-    (1 <= i <= j, the drafter's own features) at position t - j + i: exactly what a depth-(j+1) tree
-    node sees in decoding (the committed cache, then its ancestors, then itself). Packed, only keys of
-    its own conversation; step 0 is then the block-diagonal causal mask. Every query sees at least
-    its own step-j key, so no row of the softmax is empty."""
-    t = torch.arange(length, device=device)[:, None]  # (L, 1)
-    s = torch.arange(length, device=device)[None, :]  # (1, L)
-    blocks = [s <= t - step] + [s == t - step + i for i in range(1, step + 1)]
-    visible = torch.cat(blocks, dim=1)  # (L, (j+1) L)
-    if segments is None:
-        mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=device)
-        return mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    same = (segments[:, :, None] == segments[:, None, :]).repeat(1, 1, step + 1)  # (B, L, (j+1) L)
-    visible = visible[None] & same
-    mask = torch.zeros(visible.shape[0], 1, *visible.shape[1:], dtype=dtype, device=device)
-    return mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
-
-
-class EagleObjective(nn.Module):
-    """EAGLE-1: regression of the next feature (smooth L1) + KL of its logits to the target's, with
-    noise on the input features. EAGLE-3: KL to the target's distribution over the draft vocabulary,
-    unrolled for ``ttt_steps`` on the drafter's own features (training-time test), step j weighted by
-    step_decay**j. Stats use "head k" for draft depth k+1 (the unrolled step)."""
-
-    lora = False
-
-    def __init__(self, target_model: nn.Module, kind: str, config, top_k: int, seed: int, train_data=None,
-                 chunk_elements: int = LOSS_CHUNK_ELEMENTS):
-        super().__init__()
-        from selfdraft.heads.eagle import EagleDrafter
-
-        self.kind, self.config, self.top_k, self.chunk_elements = kind, config, top_k, chunk_elements
-        target_model.requires_grad_(False)
-        self.target = target_model
-        text = target_model.config.get_text_config()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            dims = EagleDrafter.dims_for(target_model, kind, draft_vocab_size=config.draft_vocab_size,
-                                         aux_layers=list(config.aux_layers) or None, layer=config.layer)
-            self.drafter = EagleDrafter(dims).float()
-        if kind == "eagle3" and train_data is not None:  # else the map comes with a checkpoint
-            ids = draft_vocabulary(train_data, text.vocab_size, config.draft_vocab_size)
-            if len(ids) != self.drafter.draft_vocab_size:
-                raise SelfdraftError(f"draft vocabulary of {len(ids)} tokens, expected {self.drafter.draft_vocab_size}")
-            self.drafter.set_vocab_map(ids)
-            # Start from the target's head rows and final norm.
-            head_weight = target_model.get_output_embeddings().weight
-            norm_weight = getattr(getattr(getattr(target_model, "model", None), "norm", None), "weight", None)
-            with torch.no_grad(), _gathered([head_weight, norm_weight]):
-                if not head_weight.is_meta:  # meta: see MedusaObjective
-                    self.drafter.lm_head.weight.copy_(head_weight[ids].float())
-                if norm_weight is not None and not norm_weight.is_meta:
-                    self.drafter.norm.weight.copy_(norm_weight.float())
-        self.steps = 1 if kind == "eagle" else config.ttt_steps
-        self.feature_layers = feature_layers(kind, text.num_hidden_layers, self.drafter.dims.get("aux_layers", ()))
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Trained parameters plus the drafter's persistent buffers (EAGLE-3's d2t/t2d maps)."""
+        """Trained parameters (and the drafter's persistent buffers) by name: what checkpoints hold."""
         state = {n: p.detach() for n, p in self.named_parameters() if p.requires_grad}
-        keys = set(self.drafter.state_dict())
-        state.update({f"drafter.{n}": b for n, b in self.drafter.named_buffers() if n in keys})
+        drafter = self.drafter_module()
+        prefix = self.drafter_name()
+        keys = set(drafter.state_dict())
+        state.update({f"{prefix}.{n}": b for n, b in drafter.named_buffers() if n in keys})
         return state
 
-    load_trainable_state_dict = _load_trainable
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        load_trainable(self, state)
 
     def drafter_module(self, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
-        """The drafter; with ``state`` (full tensors, as ``trainable_state_dict`` names them, e.g. gathered
-        from FSDP shards) a new, unsharded copy holding them."""
-        if state is None:
-            return self.drafter
-        from selfdraft.heads.eagle import EagleDrafter
+        """The drafter; with ``state`` (full tensors as ``trainable_state_dict`` names them, e.g.
+        gathered from FSDP shards) a new, unsharded copy holding them."""
+        raise NotImplementedError
 
-        with torch.random.fork_rng(devices=[]):
-            drafter = EagleDrafter(self.drafter.dims).float()
-        drafter.load_state_dict(_subtree(state, "drafter"))
-        return drafter
+    def decode_defaults(self, rank_accuracy: torch.Tensor | None) -> dict:
+        """What a native folder's ``decode`` holds for this drafter, given the held-out rank
+        accuracies (K, R) of the last evaluation (None before the first)."""
+        raise NotImplementedError
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                features: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
-        from transformers import DynamicCache
+    def predicted_tau(self, rank_accuracy: torch.Tensor) -> float:
+        """The acceptance length held-out rank accuracies (K, R) predict for the run's tree."""
+        raise NotImplementedError
 
-        cfg = self.config
-        if features is None:
-            with phase("target forward"):
-                features = target_features(self.target, input_ids, attention_mask, self.feature_layers, position_ids)
-        lm_head = _linear(self.target.get_output_embeddings(), "the target's LM head")
-        _unshard_units(self.drafter)
-        B, T = input_ids.shape
-        L = T - 1  # pair positions t = 0..T-2: (feature at t, token t+1)
-        device, dtype = input_ids.device, next(self.drafter.parameters()).dtype
-        # Held out: how often the label has rank 0..R-1, R the tree's top-k (the predicted acceptance length).
-        K, R = self.steps, 1 if self.training else max(1, cfg.tree_top_k)
-        stats = {"head_loss": torch.zeros(K, device=device), "head_tokens": torch.zeros(K, device=device),
-                 "top1": torch.zeros(K, device=device), "topk": torch.zeros(K, device=device),
-                 "rank_hits": torch.zeros(K, R, device=device)}
-        loss = _zero_loss(self.drafter)
-        if L < 2:  # train.loop.collate pads every batch to MIN_BATCH_LENGTH (3) positions
-            raise SelfdraftError(f"EAGLE trains on batches of at least 3 positions, got {T}")
-        mask = (loss_mask.bool() & attention_mask.bool())[:, 2:]  # (B, T-2): token t+2 is an assistant token
-        # The drafter's inputs in its fp32 master weights' dtype (the target's may be bf16).
-        embeds = self.target.get_input_embeddings()(input_ids[:, 1:]).detach().to(dtype)  # (B, L, H)
-        if position_ids is None:
-            positions, segments = torch.arange(L, device=device)[None].expand(B, L), None
-        else:  # packed: pair t belongs to position t's conversation, and token t+2 must too
-            positions, segments = position_ids[:, :L], _segments(position_ids)
-            mask = mask & (segments[:, 2:] == segments[:, :-2])
-            segments = segments[:, :L]
-        # The teacher: the target's view of token t+2, its final normed state at t+1 through its LM head,
-        # computed by the loss at the supervised positions only.
-        target_states = features[:, 1:T - 1, -1]  # (B, T-2, H)
-        if self.kind == "eagle":
-            feats = features[:, :, -1].to(dtype)  # (B, T, H) final normed features
-            x = feats[:, :-1]
-            if self.training and cfg.feature_noise > 0:
-                x = x + (torch.rand_like(x) * 2 - 1) * cfg.feature_noise
-            with phase("drafter forward, step 0"):
-                causal = None if segments is None else _ttt_mask(L, 0, dtype, device, segments)
-                pred = self.drafter(x, embeds, positions, causal)[:, : T - 2]  # (B, T-2, H) ~ f_{t+1}
-            p_hat, f_true = pred[mask], feats[:, 1:T - 1][mask]  # (M, H); M may be 0 (collective safety)
-            m = len(p_hat)
-            reg = F.smooth_l1_loss(p_hat, f_true, reduction="sum") / max(1, p_hat.numel())  # the mean, 0 if empty
-            # EagleDrafter.logits(p_hat, lm_head) == lm_head(p_hat): the target's head, full vocabulary.
-            group = _Group(p_hat, lm_head, torch.arange(m, device=device), 1.0)
-            with phase("losses"):
-                kl, table = _head_losses([group], _Teacher(hidden=target_states[mask], head=lm_head), top_k=self.top_k,
-                                         ranks=0 if self.training else R, chunk_elements=self.chunk_elements)
-            loss = loss + cfg.regression_weight * reg + cfg.kl_weight * kl
-            self._stats(stats, [0], table, [m])
-            return loss, stats
-        # EAGLE-3: fused features of three layers, unrolled on its own outputs.
-        aux = features[:, :-1, :-1].flatten(2).to(dtype)  # (B, L, 3H): the aux layers side by side
-        with phase("drafter forward, fuse"):
-            feature = self.drafter.fuse(aux)  # (B, L, H)
-        marks = [("drafter backward, fuse", feature)]
-        draft_ids = self.drafter.draft_to_target()  # (V',)
-        # The label is the target's own argmax, as a draft id (-1 when outside the draft vocabulary).
-        to_draft = torch.full((self.drafter.vocab_size,), -1, dtype=torch.long, device=device)
-        to_draft[draft_ids] = torch.arange(len(draft_ids), device=device)
-        cache = DynamicCache(config=self.drafter.layer_config)
-        t_index = torch.arange(T - 2, device=device)[None]  # (1, T-2)
-        outputs, selections = [], []
-        for j in range(K):
-            with phase(f"drafter forward, step {j}"):
-                step_out = self.drafter(feature, embeds, positions, _ttt_mask(L, j, dtype, device, segments),
-                                        cache=cache)  # (B, L, H)
-            marks.insert(0, (f"drafter backward, step {j}", step_out))
-            # Position t has j own-feature ancestors only if it is at least j into its conversation.
-            selections.append(mask & ((t_index if segments is None else positions[:, :T - 2]) >= j))
-            outputs.append(step_out)
-            feature = torch.cat([torch.zeros_like(step_out[:, :1]), step_out[:, :-1]], dim=1)  # t takes t-1's output
-        need, rows = _teacher_rows(selections)  # need == mask (step 0 selects all of it)
-        groups = []
-        for j, (step_out, sel, step_rows) in enumerate(zip(outputs, selections, rows)):
-            # Every step's group, empty ones too (collective safety, _zero_loss).
-            # EagleDrafter.logits(x) == lm_head(norm(x)): the norm here, the projection in the loss.
-            h = self.drafter.norm(step_out[:, : T - 2][sel])  # (M, H)
-            groups.append(_Group(h, self.drafter.lm_head, step_rows, cfg.step_decay ** j))
-        # KL to the target's distribution restricted to the draft vocabulary and renormalised there.
-        teacher = _Teacher(hidden=target_states[need], head=lm_head, columns=draft_ids, to_label=to_draft)
-        with phase("losses"):
-            total, table = _head_losses(groups, teacher, top_k=self.top_k, ranks=0 if self.training else R,
-                                        chunk_elements=self.chunk_elements)
-        if recording() is not None and recording().only is None and torch.is_grad_enabled():
-            recording().backward_marks(marks)
-        loss = loss + total
-        self._stats(stats, list(range(K)), table, [len(g.rows) for g in groups])
-        return loss, stats
-
-    def _stats(self, stats, steps: list[int], table: torch.Tensor, tokens: list[int]) -> None:
-        with torch.no_grad():
-            index = torch.tensor(steps, device=table.device)
-            counts = torch.tensor(tokens, dtype=torch.float32, device=table.device)
-            stats["head_loss"][index] = table[:, 0] * counts
-            stats["head_tokens"][index] = counts
-            stats["top1"][index], stats["topk"][index] = table[:, 1], table[:, 2]
-            if table.shape[1] > 3:  # rank hits (held out)
-                stats["rank_hits"][index] = table[:, 3:]
+    def merged_target(self) -> nn.Module:
+        """The target the drafter decodes with (Medusa-2: the LoRA-merged model)."""
+        return self.target
 
 
-def build_objective(config: RunConfig, target_model: nn.Module, train_data=None) -> nn.Module:
-    kind = config.drafter.kind
-    if kind == "medusa":
-        return MedusaObjective(target_model, config.drafter.medusa, top_k=config.train.top_k, seed=config.train.seed)
-    return EagleObjective(target_model, kind, config.drafter.eagle, top_k=config.train.top_k, seed=config.train.seed,
-                          train_data=train_data)
+def build_objective(config: RunConfig, target_model: nn.Module, train_data=None) -> DrafterObjective:
+    """The objective of ``config.drafter.kind`` (from the registry) for ``target_model``."""
+    from selfdraft.heads.kinds import get_kind
+
+    return get_kind(config.drafter.kind).objective_class()(config, target_model, train_data)
 
 
 def summarise(stats: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -4,15 +4,17 @@ weight: the ``model_loader`` the training loop gives ``heads.target.load_target`
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import pathlib
-import sys
 from dataclasses import dataclass
 
 import torch
 
 from selfdraft.errors import SelfdraftError
+
+logger = logging.getLogger(__name__)
 
 
 def load_partitioned(folder: pathlib.Path, dtype: torch.dtype, trust_remote_code: bool) -> torch.nn.Module | None:
@@ -59,8 +61,8 @@ def load_partitioned(folder: pathlib.Path, dtype: torch.dtype, trust_remote_code
     params = dict(model.named_parameters())  # tied weights once
     if not set(params) <= set(stored):
         missing = sorted(set(params) - set(stored))
-        print(f"selfdraft: {folder}'s files do not name {len(missing)} of the model's weights ({', '.join(missing[:3])}): "
-              "transformers loads it instead, reading the whole checkpoint on rank 0", file=sys.stderr, flush=True)
+        logger.warning("%s's files do not name %d of the model's weights (%s): transformers loads it instead, reading "
+                       "the whole checkpoint on rank 0", folder, len(missing), ", ".join(missing[:3]))
         return None
     rank = deepspeed.comm.get_rank() if deepspeed.comm.is_initialized() else 0
     with torch.no_grad():

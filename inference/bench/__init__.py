@@ -11,7 +11,7 @@ same task and temperature. At temperature 0 every method's tokens are compared w
 difference is printed as a WARNING and set in bold in the report.
 
 Methods live in a registry (:data:`METHODS`, extend it with :func:`register`); any drafter folder that
-:func:`~selfdraft.inference.drafters.make_drafter` reads (native Medusa / EAGLE-1 / EAGLE-3, a vLLM or
+:func:`~selfdraft.inference.specs.make_drafter` reads (native Medusa / EAGLE-1 / EAGLE-3, a vLLM or
 SGLang EAGLE layout) is a method too. ``METHOD@key=value,key=value`` sets a method's options.
 :func:`run_bench` writes ``results.json``, ``report.md`` and PNG plots, each atomically.
 

@@ -1,19 +1,14 @@
-"""What every part of the benchmark shares: the baseline's name, warnings, atomic writes, result groups."""
+"""What every part of the benchmark shares: the baseline's name, atomic writes, result groups."""
 
 from __future__ import annotations
 
 import os
 import pathlib
-import sys
 import tempfile
 
 from selfdraft.files import as_if_created
 
 BASELINE = "none"
-
-
-def _warn(message: str) -> None:
-    print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 
 def _write_atomic(path: pathlib.Path, data: bytes) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import pathlib
 from typing import Sequence
@@ -12,9 +13,11 @@ from typing import Sequence
 import torch
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.inference.bench.common import _warn, _write_atomic
+from selfdraft.inference.bench.common import _write_atomic
 from selfdraft.inference.bench.methods import MethodChoice
 from selfdraft.inference.bench.runners import Generation
+
+logger = logging.getLogger(__name__)
 
 JOURNAL = "progress.jsonl"
 
@@ -85,7 +88,8 @@ class Journal:
                 record = json.loads(line)
                 key = (record["task"], float(record["temperature"]), record["prompt_id"])
             except (ValueError, KeyError, TypeError):
-                _warn(f"{self.path}: dropping a torn or unreadable line (an interrupted write); that prompt is decoded again")
+                logger.warning("%s: dropping a torn or unreadable line (an interrupted write); that prompt is decoded again",
+                               self.path)
                 _write_atomic(self.path, ("\n".join(good) + "\n").encode("utf-8"))
                 break
             self.groups[key] = record

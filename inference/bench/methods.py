@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from selfdraft.configs.decode import DraftModelConfig, DynamicTreeConfig, PromptLookupConfig
+from selfdraft.configs.decode import PromptLookupConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.bench.runners import HFRunner, LoopRunner, Runner
 
@@ -72,7 +71,7 @@ def _prompt_lookup_config(options: dict) -> PromptLookupConfig:
     tokens = options.get("tokens", d.num_tokens)
     return PromptLookupConfig(max_ngram=options.get("max_ngram", d.max_ngram), min_ngram=options.get("min_ngram", d.min_ngram),
                               num_tokens=tokens, max_branches=options.get("branches", d.max_branches),
-                              max_nodes=options.get("nodes", max(d.max_nodes, tokens))).validate()
+                              max_nodes=options.get("max_nodes", max(d.max_nodes, tokens)))
 
 
 def _build_prompt_lookup(target, argument, options):
@@ -82,12 +81,9 @@ def _build_prompt_lookup(target, argument, options):
 
 
 def _build_draft_model(target, argument, options):
-    from selfdraft.inference.drafters import make_drafter
+    from selfdraft.inference.specs import make_drafter
 
-    d = DraftModelConfig
-    config = DraftModelConfig(depth=options.get("depth", d.depth), top_k=options.get("top_k", d.top_k),
-                              max_nodes=options.get("nodes", d.max_nodes)).validate()
-    return LoopRunner(target, make_drafter(f"draft-model:{argument}", target, draft_model=config))
+    return LoopRunner(target, make_drafter(f"draft-model:{argument}", target, tree=dict(options)))
 
 
 def _build_hf_prompt_lookup(target, argument, options):
@@ -124,13 +120,13 @@ def _build_vllm(target, argument, options):
 
 
 _TREE_OPTIONS = {"depth": (_positive_int, "draft depth"), "top_k": (_positive_int, "children per expanded node"),
-                 "nodes": (_positive_int, "draft tokens kept per tree")}
+                 "max_nodes": (_positive_int, "draft tokens kept per tree (the node budget)")}
 
 register(Method("none", lambda t, a, o: LoopRunner(t, _no_drafter()), "our loop without a drafter: the baseline"))
 register(Method("prompt-lookup", _build_prompt_lookup, "our loop, copying continuations of earlier n-grams", {
     "tokens": (_positive_int, "draft tokens per match"), "max_ngram": (_positive_int, "longest n-gram looked up"),
     "min_ngram": (_positive_int, "shortest n-gram looked up"), "branches": (_positive_int, "continuations merged into a tree"),
-    "nodes": (_positive_int, "draft tokens per tree")}))
+    "max_nodes": (_positive_int, "draft tokens per tree (the node budget)")}))
 register(Method("draft-model", _build_draft_model, "our loop with a separate small model of the same tokenizer",
                 _TREE_OPTIONS, argument="SPEC"))
 register(Method("hf-greedy", lambda t, a, o: HFRunner(t), "transformers generate(), greedy", temperatures="greedy"))
@@ -156,33 +152,19 @@ def _no_drafter():
 
 def _folder_method(path: str) -> Method | None:
     """A method for a drafter folder that make_drafter reads, or None when ``path`` is not one."""
-    from selfdraft.heads.eagle_formats import is_engine_eagle_folder
-    from selfdraft.heads.io import is_drafter_folder, read_record
+    from selfdraft.heads.kinds import get_kind
+    from selfdraft.inference.specs import folder_kind
 
-    if is_drafter_folder(path):
-        record = read_record(path)
-        kind, stored = record.kind, record.decode.get("tree")
-    elif is_engine_eagle_folder(path):
-        kind, stored = "eagle (vLLM/SGLang layout)", None
-    else:
+    kind = folder_kind(path)
+    if kind is None:
         return None
+    options = {k: v for k, v in _TREE_OPTIONS.items() if k in get_kind(kind).tree_options}
 
     def build(target, argument, options):
-        from selfdraft.inference.drafters import make_drafter
+        from selfdraft.inference.specs import make_drafter
 
-        if kind == "medusa":
-            return LoopRunner(target, make_drafter(path, target, medusa_nodes=options.get("medusa_nodes")))
-        tree = None
-        if options:
-            base = DynamicTreeConfig(**stored) if stored else DynamicTreeConfig()
-            tree = dataclasses.replace(base, depth=options.get("depth", base.depth), top_k=options.get("top_k", base.top_k),
-                                       max_nodes=options.get("nodes", base.max_nodes)).validate()
-        return LoopRunner(target, make_drafter(path, target, dynamic_tree=tree))
+        return LoopRunner(target, make_drafter(path, target, tree=dict(options) or None))
 
-    if kind == "medusa":
-        options = {"medusa_nodes": (_positive_int, "rebuild the sparse tree for this node budget from the stored accuracies")}
-    else:
-        options = _TREE_OPTIONS
     return Method(f"{kind} drafter folder", build, f"our loop with the {kind} drafter in {path}", options)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import platform
@@ -18,7 +19,7 @@ import torch
 from selfdraft.configs.decode import DecodeConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.machine import cpu_flags
-from selfdraft.inference.bench.common import BASELINE, _warn
+from selfdraft.inference.bench.common import BASELINE
 from selfdraft.inference.bench.journal import JOURNAL, Journal, _ids_digest, _settings
 from selfdraft.inference.bench.methods import MethodChoice, parse_method, split_methods
 from selfdraft.inference.bench.plots import _short, method_labels
@@ -26,6 +27,8 @@ from selfdraft.inference.bench.report import write_outputs
 from selfdraft.inference.bench.runners import Generation
 from selfdraft.inference.bench.tasks import TASKS, _split, parse_temperatures, task_prompts
 from selfdraft.inference.prompts import Prompt
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -225,8 +228,8 @@ def run_bench(
         dev = target.device
         if reused < len(plan):
             if reused:
-                print(f"bench: {reused} of {len(plan)} prompts are in {journal.path} from an earlier run with the "
-                      "same settings; decoding the rest", file=sys.stderr, flush=True)
+                logger.info("bench: %d of %d prompts are in %s from an earlier run with the same settings; decoding "
+                            "the rest", reused, len(plan), journal.path)
             warm_ids = next(ids for items in encoded.values() for _, ids in items)
             for c in choices:  # runners in another process (an engine) decode everything at once
                 if hasattr(runners[c.label], "prepare"):
@@ -300,8 +303,9 @@ def run_bench(
             shown = ", ".join(f"{m['prompt_id']} at token {m['first_divergence']}" for m in row["mismatches"][:5])
             hint = ("; in bf16/fp16 a forward over several tokens rounds differently from one over a single token, "
                     "compare in float32") if meta["dtype"] != "float32" else "; in float32 this is a bug"
-            _warn(f"{row['method']} is not token-identical to {BASELINE} on task {row['task']} at temperature 0: "
-                  f"{len(row['mismatches'])} of {row['prompts']} prompts differ (first divergence: {shown}){hint}")
+            logger.warning("%s is not token-identical to %s on task %s at temperature 0: %d of %d prompts differ "
+                           "(first divergence: %s)%s", row["method"], BASELINE, row["task"], len(row["mismatches"]),
+                           row["prompts"], shown, hint)
     write_outputs(results, out, plots=plots)
     return results
 

@@ -53,7 +53,7 @@ REFERENCE = _by_path("eagle_reference_emulator")
 EngineLoadError = SGLANG.EngineLoadError
 
 # Which exporter writes the folder each emulated engine reads (export_eagle's ``engine``).
-EXPORT_ENGINE = {"sglang": "sglang", "eagle": "eagle"}
+EXPORT_ENGINE = {"sglang": "sglang", "eagle": "eagle-reference"}
 CHAIN = (3, 1, 4)  # depth, topk, num_draft_tokens (= draft nodes + 1)
 TREE2 = (2, 2, 5)
 TREE3 = (3, 2, 6)
@@ -120,10 +120,10 @@ def _case(name: str, request) -> Case:
 # --- drafters ---------------------------------------------------------------------------------------------
 
 def _perturbed_drafter(model, kind: str, aux_layers=None):
-    from selfdraft.heads.eagle import EagleDrafter
+    from selfdraft.heads.kinds.eagle import new_drafter
 
     torch.manual_seed(7)
-    drafter = EagleDrafter(EagleDrafter.dims_for(model, kind, draft_vocab_size=TINY_DRAFT_VOCAB, aux_layers=aux_layers))
+    drafter = new_drafter(model, kind, draft_vocab_size=TINY_DRAFT_VOCAB, aux_layers=aux_layers)
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -137,9 +137,9 @@ def _trained_drafter(case: Case, kind: str):
     question and answer (any text serves: the labels are the target's)."""
     import numpy as np
 
-    from selfdraft.configs.run import EagleConfig
+    from selfdraft.configs.run import DrafterConfig, EagleConfig, RunConfig, TrainConfig
     from selfdraft.inference.api import encode_prompt
-    from selfdraft.train.objectives import EagleObjective
+    from selfdraft.train.objectives import build_objective
 
     prompt = encode_prompt(case.tokenizer, "Why is the sky blue?", False)
     answer = case.tokenizer(" Sunlight is scattered by the air, and blue light is scattered the most.",
@@ -147,8 +147,9 @@ def _trained_drafter(case: Case, kind: str):
     ids = torch.tensor(prompt + list(answer))
     loss_mask = torch.zeros_like(ids)
     loss_mask[len(prompt):] = 1
-    objective = EagleObjective(case.model, kind, EagleConfig(draft_vocab_size=2048, ttt_steps=2), top_k=4, seed=0,
-                               train_data=[(ids.numpy(), loss_mask.numpy().astype(np.int64))])
+    run = RunConfig(drafter=DrafterConfig(kind=kind, eagle=EagleConfig(draft_vocab_size=2048, ttt_steps=2)),
+                    train=TrainConfig(top_k=4, seed=0))
+    objective = build_objective(run, case.model, [(ids.numpy(), loss_mask.numpy().astype(np.int64))])
     optimizer = torch.optim.AdamW([p for p in objective.drafter.parameters() if p.requires_grad], lr=3e-4)
     objective.train()
     for _ in range(3):
@@ -173,7 +174,7 @@ def _drafter(case: Case, kind: str, aux_layers=None):
 
 
 def _export(drafter, folder: Path, engine: str, case: Case) -> Path:
-    from selfdraft.heads.eagle_formats import export_eagle
+    from selfdraft.heads.kinds.eagle.layouts import export_eagle
 
     embed = case.model.get_input_embeddings().weight.detach()
     out = export_eagle(drafter, folder, engine=EXPORT_ENGINE[engine], target=case.identity, embed_weight=embed)
@@ -185,13 +186,13 @@ def _export(drafter, folder: Path, engine: str, case: Case) -> Path:
 def our_trees(drafter, model, prompt, trees) -> list[set[tuple[int, ...]]]:
     """EagleTreeDrafter's tree (as root-to-node paths) for each (depth, topk, num_draft_tokens) in
     ``trees`` after one prefill of ``prompt`` (root: the target's greedy token)."""
-    from selfdraft.configs.decode import DynamicTreeConfig
-    from selfdraft.inference.eagle import EagleTreeDrafter
+    from selfdraft.configs.decode import TreeConfig
+    from selfdraft.heads.kinds.eagle.decode import EagleTreeDrafter
     from selfdraft.inference.session import CausalLMSession
 
     results, out = [], None
     for depth, topk, n in trees:
-        adapter = EagleTreeDrafter(drafter, model, DynamicTreeConfig(depth=depth, top_k=topk, max_nodes=n - 1))
+        adapter = EagleTreeDrafter(drafter, model, TreeConfig(depth=depth, top_k=topk, max_nodes=n - 1))
         if out is None:
             out = CausalLMSession(model, hidden_layers=adapter.hidden_layers).prefill(prompt)
         tree, _ = adapter.propose(adapter.start(prompt, out), list(prompt) + [int(out.logits[-1].argmax())])

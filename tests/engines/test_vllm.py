@@ -105,16 +105,16 @@ def ours(target, drafter, prompts):
 
 
 def chain_drafter(kind, folder, target):
-    from selfdraft.configs.decode import DynamicTreeConfig
-    from selfdraft.inference.drafters import make_drafter
+    from selfdraft.configs.decode import TreeConfig
+    from selfdraft.inference.specs import make_drafter
 
     if kind == "medusa":
         from selfdraft.heads.io import load_drafter
-        from selfdraft.inference.medusa import MedusaDrafter
+        from selfdraft.heads.kinds.medusa.decode import MedusaDrafter
 
         heads, _ = load_drafter(folder, target.identity)
         return MedusaDrafter(heads, target.model, [[0] * d for d in range(1, heads.num_heads + 1)])
-    return make_drafter(str(folder), target, dynamic_tree=DynamicTreeConfig(depth=DEPTH, top_k=1, max_nodes=DEPTH))
+    return make_drafter(str(folder), target, tree=TreeConfig(depth=DEPTH, top_k=1, max_nodes=DEPTH))
 
 
 def compare(engine, mine, plain_tokens):
@@ -178,7 +178,7 @@ def test_bench_runs_vllm_beside_our_loop(trained_smollm2, embedded_fp32, engine_
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p.text, "id": f"q{i}", "chat": True}) + "\n"
                                for i, p in enumerate(engine_prompts[:2])))
-    native = f"{trained_smollm2['eagle3']}@depth={DEPTH},top_k=1,nodes={DEPTH}"
+    native = f"{trained_smollm2['eagle3']}@depth={DEPTH},top_k=1,max_nodes={DEPTH}"
     results = run_bench(embedded_fp32, f"none,{native},vllm:{folder}", str(prompts), [0.0], max_new_tokens=24,
                         limit=None, out=tmp_path / "bench", plots=False, progress=False)
     rows = {r["method"]: r for r in results["rows"]}

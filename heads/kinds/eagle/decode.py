@@ -1,4 +1,6 @@
-"""Decoding with EAGLE drafters: EAGLE-2 dynamic trees over the drafter's own small cache.
+"""Decoding with EAGLE-1 and EAGLE-3 drafters (the inference side of both kinds): EAGLE-2 dynamic trees
+over the drafter's own small cache. The two kinds differ only in their modules (which target layers
+they read, how they fuse them, which vocabulary they draft over), which this adapter asks.
 
 Alignment. With committed tokens x_0..x_{N-1} (x_{N-1} is the root, not yet seen by the target), the
 target has produced features f_0..f_{N-2}. The drafter's position t holds the pair (f_t, x_{t+1}), so
@@ -25,9 +27,10 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from selfdraft.configs.decode import DynamicTreeConfig
+from selfdraft.configs.decode import TreeConfig
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.eagle import EagleDrafter
+from selfdraft.heads.kinds.eagle.eagle1 import Eagle1Drafter
+from selfdraft.heads.kinds.eagle.eagle3 import Eagle3Drafter
 from selfdraft.heads.small_batch import use_small_batch_matmul
 from selfdraft.inference.drafters import Drafter, Verified, on_target
 from selfdraft.inference.session import StepOutput
@@ -50,28 +53,28 @@ class EagleState:
 
 
 class EagleTreeDrafter(Drafter):
-    name = "eagle"
+    """An EAGLE-1 or EAGLE-3 drafter module behind the :class:`Drafter` interface, growing an EAGLE-2
+    dynamic tree of ``tree`` (depth, top-k, node budget)."""
 
-    def __init__(self, drafter: EagleDrafter, target_model, config: DynamicTreeConfig = DynamicTreeConfig()):
-        self.config = config.validate()
+    def __init__(self, drafter: Eagle1Drafter | Eagle3Drafter, target_model, tree: TreeConfig = TreeConfig()):
+        self.config = tree
         text = target_model.config.get_text_config()
+        kind = drafter.dims.KIND_FIELD
         if drafter.hidden_size != text.hidden_size or drafter.vocab_size != text.vocab_size:
-            raise SelfdraftError(f"this {drafter.kind} drafter is for hidden size {drafter.hidden_size} and vocabulary "
+            raise SelfdraftError(f"this {kind} drafter is for hidden size {drafter.hidden_size} and vocabulary "
                                  f"{drafter.vocab_size}; the target has {text.hidden_size} and {text.vocab_size}")
-        self.drafter = on_target(drafter, target_model, f"the {drafter.kind} drafter").eval()
-        use_small_batch_matmul(self.drafter)  # top_k rows per draft step
+        self.drafter = on_target(drafter, target_model, f"the {kind} drafter").eval()
+        self.small_batch = use_small_batch_matmul(self.drafter)  # top_k rows per draft step (explicit: .remove() undoes it)
         self.embed = target_model.get_input_embeddings()
         self.lm_head = target_model.get_output_embeddings()
-        self.name = drafter.kind
-        self.hidden_layers = (text.num_hidden_layers,) if drafter.kind == "eagle" else tuple(drafter.aux_layers)
+        self.name = kind
+        self.hidden_layers = drafter.target_layers(text.num_hidden_layers)
         self.device, self.dtype = target_model.device, target_model.dtype
-        self.draft_ids = drafter.draft_to_target() if drafter.kind == "eagle3" else None  # (V',) on the device
+        self.draft_ids = drafter.token_map()  # (V',) on the device, or None (the target's vocabulary)
 
     def _features(self, hidden: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Target hidden states (one (m, H) per requested layer) -> drafter input features (m, H)."""
-        if self.drafter.kind == "eagle":
-            return hidden[0]
-        return self.drafter.fuse(torch.cat(hidden, dim=-1))
+        return self.drafter.features(hidden)
 
     def _run(self, state: EagleState, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              mask: torch.Tensor | None) -> torch.Tensor:
@@ -82,8 +85,7 @@ class EagleTreeDrafter(Drafter):
 
     def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """(m, H) outputs -> (m, V or V') draft log-probabilities."""
-        lm_head = self.lm_head if self.drafter.kind == "eagle" else None
-        return torch.log_softmax(self.drafter.logits(out, lm_head).float(), dim=-1)
+        return torch.log_softmax(self.drafter.logits(out, self.lm_head).float(), dim=-1)
 
     def _token_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids (EAGLE-3); identity for EAGLE-1."""
@@ -102,7 +104,8 @@ class EagleTreeDrafter(Drafter):
             return state
         tokens = torch.tensor(list(sequence[state.length + 1:state.length + 1 + m]), dtype=torch.long, device=self.device)
         if tokens.numel() != m:
-            raise RuntimeError(f"EAGLE state out of step: {m} pending features, {tokens.numel()} tokens")
+            raise SelfdraftError(f"EAGLE state out of step: {m} pending target features but {tokens.numel()} tokens "
+                                 "after them; propose() must get the sequence this state observed (start/observe)")
         positions = torch.arange(state.length, state.length + m, device=self.device)
         mask = None
         if state.length and m > 1:  # causal over the new block, everything cached is visible
@@ -136,14 +139,7 @@ class EagleTreeDrafter(Drafter):
         return EagleState(state.cache, state.length, pending, None)
 
 
-def drafter_from_folder(folder, target, config: DynamicTreeConfig | None = None) -> EagleTreeDrafter:
-    """An EAGLE drafter from an exported folder, refused unless it was trained for ``target``; it decodes
-    with ``config`` or else the dynamic tree stored with it."""
-    from selfdraft.heads.io import load_drafter
-
-    drafter, record = load_drafter(folder, target.identity)
-    if record.kind not in ("eagle", "eagle3"):
-        raise SelfdraftError(f"{folder} holds a {record.kind} drafter, not an EAGLE one")
-    if config is None:
-        config = DynamicTreeConfig(**record.decode["tree"]) if "tree" in record.decode else DynamicTreeConfig()
-    return EagleTreeDrafter(drafter, target.model, config)
+def adapter(drafter: Eagle1Drafter | Eagle3Drafter, decode: dict, target, tree: dict[str, int]) -> EagleTreeDrafter:
+    """The drafter of a loaded folder, growing the tree stored with it (``decode["tree"]``; the default
+    tree for folders that store none) with the fields of ``tree`` replaced."""
+    return EagleTreeDrafter(drafter, target.model, TreeConfig(**{**decode.get("tree", {}), **tree}))

@@ -1,4 +1,6 @@
-"""EAGLE drafters in the layouts serving engines load: one writer per engine, one reader for all.
+"""EAGLE-1 and EAGLE-3 drafters in the layouts serving engines load: one writer per engine, one reader
+for all. The two kinds share this module (their layouts differ in a few tensors and fields), and
+``__init__.py`` declares each kind's writers and readers from it.
 
 Each engine reads an EAGLE folder its own way, so each has its own writer, following that engine's
 loading code as read at the commit named here (``tests/engines/`` proves each against the engine or
@@ -24,8 +26,9 @@ an emulation of its loader and draft forward):
   a ``bias`` or ``attention_bias`` key would give every projection a bias (never written). SpecForge
   (a6b6b0230009, ``specforge/export/to_sglang.py``) exports this same layout, so there is no
   separate SpecForge writer.
-* ``eagle``: the reference implementation, SafeAILab/EAGLE (cb7e0841fe0c, ``eagle/model/cnets.py``,
-  ``cnets1.py``, ``ea_model.py``): the SGLang layout plus ``embed_tokens.weight`` (it reads the
+* ``eagle-reference``: the reference implementation, SafeAILab/EAGLE (cb7e0841fe0c,
+  ``eagle/model/cnets.py``, ``cnets1.py``, ``ea_model.py``; its folders say ``exported_by.engine:
+  eagle``): the SGLang layout plus ``embed_tokens.weight`` (it reads the
   embedding from the target folder's ``*.index.json`` otherwise, which a single-file target lacks);
   it fuses the hard-coded hidden_states (2, L//2, L-3), computes head_dim as H // heads, accepts
   ``rope_scaling`` only as null or ``{type, factor}``, and captures EAGLE-3 features only for Llama
@@ -44,7 +47,6 @@ engine's aux-layer convention from the folder (``exported_by``, a top-level or a
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from typing import Any
@@ -52,26 +54,33 @@ from typing import Any
 import torch
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.eagle import EagleDrafter, default_aux_layers
-from selfdraft.heads.io import load_strict, write_folder
+from selfdraft.heads.cards import model_card, sglang_command, vllm_command
+from selfdraft.heads.folders import load_strict, peek_config, read_folder, write_folder
+from selfdraft.heads.kinds.eagle.eagle1 import Eagle1Dims, Eagle1Drafter
+from selfdraft.heads.kinds.eagle.eagle3 import Eagle3Dims, Eagle3Drafter, default_aux_layers
+from selfdraft.heads.registry import EngineReader, EngineWriter, ExportContext
 from selfdraft.heads.target import TargetIdentity
 
+EagleDrafter = Eagle1Drafter | Eagle3Drafter
+
 WEIGHTS = "model.safetensors"
-ENGINES = ("vllm", "sglang", "eagle")
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "eagle": "the reference EAGLE code (SafeAILab/EAGLE)"}
+ENGINES = ("vllm", "sglang", "eagle-reference")
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "eagle-reference": "the reference EAGLE code (SafeAILab/EAGLE)"}
+EXPORTED_BY = {"vllm": "vllm", "sglang": "sglang", "eagle-reference": "eagle"}
+"""``exported_by.engine`` in config.json (what folders have always carried; the reader keys on it)."""
 ARCHITECTURES = {
     "vllm": {"eagle": "EagleLlamaForCausalLM", "eagle3": "LlamaForCausalLMEagle3"},
     "sglang": {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"},
-    "eagle": {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"},
+    "eagle-reference": {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"},
 }
 EAGLE3_ARCHITECTURES = {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"}
 EAGLE1_ARCHITECTURES = {"LlamaForCausalLMEagle", "EagleLlamaForCausalLM"}
 TARGET_FAMILIES = {
     # target architecture -> the drafter kinds each engine serves for it (its target-side capture)
-    "LlamaForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle": ("eagle", "eagle3")},
-    "MistralForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle": ()},
-    "Qwen2ForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle": ("eagle",)},
-    "Qwen3ForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle": ("eagle", "eagle3")},
+    "LlamaForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle-reference": ("eagle", "eagle3")},
+    "MistralForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle-reference": ()},
+    "Qwen2ForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle-reference": ("eagle",)},
+    "Qwen3ForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle-reference": ("eagle", "eagle3")},
 }
 _LLAMA_LAYER = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
@@ -87,7 +96,7 @@ def engine_problems(drafter: EagleDrafter, engine: str, target: TargetIdentity) 
     """Why ``engine`` cannot load ``drafter`` (trained for ``target``) as trained; empty: it can."""
     if engine not in ENGINES:
         raise SelfdraftError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
-    name, cfg, kind = ENGINE_NAMES[engine], drafter.layer_config, drafter.kind
+    name, cfg, kind = ENGINE_NAMES[engine], drafter.layer_config, drafter.dims.KIND_FIELD
     problems = []
     served = TARGET_FAMILIES.get(target.architecture, {}).get(engine, ())
     if kind not in served:
@@ -110,7 +119,7 @@ def engine_problems(drafter: EagleDrafter, engine: str, target: TargetIdentity) 
         if min(aux) < 1:
             problems.append(f"its aux layers {aux} include hidden_states index 0 (the embeddings), which engines do not capture")
         fixed = default_aux_layers(target.num_layers)
-        if engine == "eagle" and sorted(aux) != fixed:
+        if engine == "eagle-reference" and sorted(aux) != fixed:
             problems.append(f"the reference EAGLE code always fuses hidden_states {fixed}, not {aux}: "
                             "train with drafter.eagle.aux_layers=[] or serve it with vLLM or SGLang")
         if drafter.draft_vocab_size > drafter.vocab_size:
@@ -118,7 +127,7 @@ def engine_problems(drafter: EagleDrafter, engine: str, target: TargetIdentity) 
         ids = drafter.draft_to_target()
         if bool((ids < 0).any()) or bool((ids >= drafter.vocab_size).any()) or len(set(ids.tolist())) != len(ids):
             problems.append("its d2t map does not name distinct target tokens")
-    if engine == "eagle":
+    if engine == "eagle-reference":
         heads = cfg.num_attention_heads
         if getattr(cfg, "head_dim", None) not in (None, cfg.hidden_size // heads) or cfg.hidden_size % heads:
             problems.append(f"the reference EAGLE code takes head_dim = hidden_size // heads = {cfg.hidden_size // heads}, "
@@ -133,7 +142,7 @@ def engine_problems(drafter: EagleDrafter, engine: str, target: TargetIdentity) 
 def check_exportable(drafter: EagleDrafter, engine: str, target: TargetIdentity) -> None:
     problems = engine_problems(drafter, engine, target)
     if problems:
-        raise SelfdraftError(f"cannot export this {drafter.kind} drafter for {ENGINE_NAMES[engine]}: " + "; ".join(problems))
+        raise SelfdraftError(f"cannot export this {drafter.dims.KIND_FIELD} drafter for {ENGINE_NAMES[engine]}: " + "; ".join(problems))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,7 +208,7 @@ def _eagle3_tensors(drafter: EagleDrafter, aux_order: list[int]) -> dict[str, to
         elif name in ("t2d", "norm.weight"):
             out[name] = value
         else:
-            raise AssertionError(f"unplaced EAGLE-3 tensor {name}")
+            raise SelfdraftError(f"this EAGLE-3 drafter has a tensor no engine layout places: {name}")
     return out
 
 
@@ -218,9 +227,9 @@ def engine_layout(drafter: EagleDrafter, engine: str, embed_weight: torch.Tensor
                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, tensors) of ``drafter`` for ``engine``; see the module docstring. ``embed_weight``
     (V, H), the target's input embedding, is needed for ``eagle`` only."""
-    kind = drafter.kind
+    kind = drafter.dims.KIND_FIELD
     config = _llama_config(drafter, ARCHITECTURES[engine][kind])
-    config["exported_by"] = {"tool": "selfdraft", "engine": engine, "aux_layer_convention": "hidden_states index"
+    config["exported_by"] = {"tool": "selfdraft", "engine": EXPORTED_BY[engine], "aux_layer_convention": "hidden_states index"
                              if engine == "vllm" else "output of layer i (hidden_states index - 1)"}
     if kind == "eagle3":
         aux = list(drafter.aux_layers)
@@ -239,7 +248,7 @@ def engine_layout(drafter: EagleDrafter, engine: str, embed_weight: torch.Tensor
                                       "use_aux_hidden_state": True}
     else:
         tensors = _eagle1_tensors(drafter, fc_bias=engine != "vllm")
-    if engine == "eagle":
+    if engine == "eagle-reference":
         if embed_weight is None:
             raise SelfdraftError("the reference EAGLE layout carries the target's embedding: pass the target")
         tensors["embed_tokens.weight"] = embed_weight.to(tensors["fc.weight"].dtype)
@@ -270,24 +279,20 @@ def _kind_of(folder: pathlib.Path, config: dict) -> str | None:
     if arch in EAGLE1_ARCHITECTURES:
         return "eagle"
     if arch == "LlamaForCausalLM" and config.get("num_hidden_layers") == 1 and (folder / WEIGHTS).is_file():
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         try:
             with safe_open(str(folder / WEIGHTS), "pt") as f:
                 return "eagle" if "fc.weight" in f.keys() and "lm_head.weight" not in f.keys() else None
-        except Exception:  # not a readable safetensors file: not a drafter we recognise
+        except (SafetensorError, OSError, ValueError):  # not a readable safetensors file: not a drafter we recognise
             return None
     return None
 
 
 def is_engine_eagle_folder(path: str | os.PathLike) -> bool:
     """True for an EAGLE-1/EAGLE-3 folder in an engine's or the reference code's layout."""
-    folder = pathlib.Path(path)
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and _kind_of(folder, config) is not None
+    config = peek_config(path)
+    return config is not None and _kind_of(pathlib.Path(path), config) is not None
 
 
 def folder_aux_layers(config: dict, num_layers: int) -> tuple[list[int], str]:
@@ -335,13 +340,11 @@ def import_eagle(folder: str | os.PathLike, target_model) -> EagleDrafter:
     drafter for ``target_model``, fusing the layers it was trained on.
 
     A hidden size, vocabulary or head layout that does not match the target is an error naming it."""
-    from selfdraft.heads.formats import _read
-
     folder = pathlib.Path(folder)
     if not (folder / WEIGHTS).is_file() and (folder / "pytorch_model.bin").is_file():
         raise SelfdraftError(f"{folder} holds only pytorch_model.bin (pickle); selfdraft never unpickles weights. "
                              f"Convert it to {WEIGHTS} in a trusted environment first")
-    config, tensors = _read(folder, WEIGHTS)
+    config, tensors = read_folder(folder, WEIGHTS)
     arch = (config.get("architectures") or [""])[0]
     kind = _kind_of(folder, config)
     if kind is None:
@@ -367,29 +370,29 @@ def import_eagle(folder: str | os.PathLike, target_model) -> EagleDrafter:
     if fc is None or tuple(fc.shape) != (text.hidden_size, width * text.hidden_size):
         raise SelfdraftError(f"{folder}: fc.weight is {None if fc is None else tuple(fc.shape)}, expected "
                              f"{(text.hidden_size, width * text.hidden_size)} for this target")
-    dims: dict[str, Any] = {"kind": kind, "vocab_size": int(text.vocab_size),
-                            "layer_config": _folder_layer_config(config, tensors, prefix)}
+    layer = _folder_layer_config(config, tensors, prefix)
     if kind == "eagle3":
         aux, _ = folder_aux_layers(config, text.num_hidden_layers)
-        dims["aux_layers"] = aux
         if "lm_head.weight" not in tensors:
             raise SelfdraftError(f"{folder}: no lm_head.weight (a tied or target-head EAGLE-3 config is not supported)")
-        dims["draft_vocab_size"] = int(config.get("draft_vocab_size") or tensors["lm_head.weight"].shape[0])
+        draft_vocab = int(config.get("draft_vocab_size") or tensors["lm_head.weight"].shape[0])
         if "d2t" not in tensors:  # no map: draft ids are target ids
-            tensors["d2t"] = torch.zeros(dims["draft_vocab_size"], dtype=torch.long)
+            tensors["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
         ids = tensors["d2t"].long() + torch.arange(len(tensors["d2t"]))
         tensors["t2d"] = torch.zeros(text.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
         tensors["d2t"] = tensors["d2t"].long()
-    elif "fc.bias" in tensors:
-        dims["fc_bias"] = True
-    drafter = EagleDrafter(dims)
+        drafter = Eagle3Drafter(Eagle3Dims(vocab_size=int(text.vocab_size), layer_config=layer, aux_layers=aux,
+                                           draft_vocab_size=draft_vocab))
+    else:
+        drafter = Eagle1Drafter(Eagle1Dims(vocab_size=int(text.vocab_size), layer_config=layer,
+                                           fc_bias="fc.bias" in tensors))
     if kind == "eagle3":
         ours = {"midlayer.hidden_norm.weight": "hidden_norm.weight"}
         ours.update({"midlayer." + k[len("layer."):]: k for k in drafter.state_dict() if k.startswith("layer.")})
     else:
         ours = {"layers.0." + k[len("layer."):]: k for k in drafter.state_dict() if k.startswith("layer.")}
     ours.update({k: k for k in drafter.state_dict() if not k.startswith("layer.") and k != "hidden_norm.weight"})
-    if dims["layer_config"]["attention_bias"]:  # q/k/v biases without an o_proj bias: the engines' zeros
+    if layer["attention_bias"]:  # q/k/v biases without an o_proj bias: the engines' zeros
         o_bias = f"{prefix}self_attn.o_proj.bias"
         tensors.setdefault(o_bias, torch.zeros(text.hidden_size, dtype=fc.dtype))
     unknown = sorted(set(tensors) - set(ours))
@@ -398,3 +401,66 @@ def import_eagle(folder: str | os.PathLike, target_model) -> EagleDrafter:
     state = {ours[k]: v for k, v in tensors.items()}
     load_strict(drafter, state, f"{folder}: tensors do not form the {arch} drafter its config describes")
     return drafter.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry's view: one writer per engine, one reader per kind
+
+
+def reference_command(target: str, folder: str, kind: str, depth: int, top_k: int, nodes: int) -> str:
+    """Python lines that load ``folder`` with the reference EAGLE code: its depth counts drafter forwards
+    after the first, and total_token includes the root."""
+    return ("from eagle.model.ea_model import EaModel\n"
+            f"model = EaModel.from_pretrained(base_model_path={target!r}, ea_model_path={folder!r},\n"
+            f"                                total_token={nodes + 1}, depth={max(depth - 1, 1)}, top_k={top_k}, "
+            f"use_eagle3={kind == 'eagle3'})")
+
+
+def _writer(engine: str) -> EngineWriter:
+    def write(drafter: EagleDrafter, ctx: ExportContext) -> tuple[pathlib.Path, str]:
+        record, kind = ctx.record, drafter.dims.KIND_FIELD
+        check_exportable(drafter, engine, record.target)  # before loading a target for nothing
+        embed = None
+        if engine == "eagle-reference":
+            embed = ctx.load_target().model.get_input_embeddings().weight.detach()
+        tree = record.decode.get("tree") or {"depth": 3, "top_k": 2, "max_nodes": 4}
+        details = [f"one Llama decoder layer (hidden {drafter.hidden_size})"]
+        if isinstance(drafter, Eagle3Drafter):
+            details += [f"fuses the target's hidden_states {sorted(drafter.aux_layers)}",
+                        f"draft vocabulary {drafter.draft_vocab_size} of {drafter.vocab_size} tokens"]
+        folder = str(ctx.out)
+        if engine == "vllm":
+            command = vllm_command(ctx.target_path, folder, kind, tree["depth"])
+        elif engine == "sglang":
+            command = sglang_command(ctx.target_path, folder, "EAGLE3" if kind == "eagle3" else "EAGLE",
+                                     tree["depth"], tree["top_k"], tree["max_nodes"])
+        else:
+            command = reference_command(ctx.target_path, folder, kind, tree["depth"], tree["top_k"], tree["max_nodes"])
+        card = model_card(engine=engine, engine_name=ENGINE_NAMES[engine], title={"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}[kind],
+                          target=record.target.to_dict(), folder=folder, run_config=record.run_config,
+                          evaluation=record.evaluation, details=details, command=command, acceptance=ctx.acceptance,
+                          python=engine == "eagle-reference")
+        out = export_eagle(drafter, ctx.out, engine, record.target, embed, card=card)
+        return out, f"wrote the {kind} drafter for {ENGINE_NAMES[engine]} to {out}"
+
+    def served_as(config: dict) -> dict | None:
+        arch = (config.get("architectures") or [None])[0]
+        method = "eagle3" if arch in EAGLE3_ARCHITECTURES else "eagle" if arch in EAGLE1_ARCHITECTURES else None
+        return None if method is None else {"method": method, "num_speculative_tokens": 3, "fixed": False}
+
+    return EngineWriter(engine, ENGINE_NAMES[engine], write, served_as=served_as)
+
+
+def writers() -> tuple[EngineWriter, ...]:
+    return tuple(_writer(engine) for engine in ENGINES)
+
+
+def reader(kind: str) -> EngineReader:
+    """The reader of ``kind`` (``eagle`` or ``eagle3``) folders in any engine's layout."""
+    def detect(folder: pathlib.Path, config: dict) -> bool:
+        return _kind_of(folder, config) == kind
+
+    def read(folder: pathlib.Path, target) -> tuple[EagleDrafter, dict]:
+        return import_eagle(folder, target.model), {}
+
+    return EngineReader(f"{kind} engine layouts", detect, read)

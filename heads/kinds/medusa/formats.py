@@ -13,7 +13,6 @@ head, in ``medusa_lm_head.safetensors`` (the pickled ``.pt`` variant is refused)
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -21,8 +20,10 @@ import re
 import torch
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.io import load_strict, read_weights, write_folder
-from selfdraft.heads.medusa import MedusaHeads
+from selfdraft.heads.cards import model_card, vllm_command
+from selfdraft.heads.folders import load_strict, read_folder, write_folder
+from selfdraft.heads.kinds.medusa.module import MedusaHeads
+from selfdraft.heads.registry import EngineReader, EngineWriter, ExportContext
 
 VLLM_WEIGHTS = "model.safetensors"
 FASTERDECODING_WEIGHTS = "medusa_lm_head.safetensors"
@@ -66,7 +67,7 @@ def import_vllm_medusa(folder: str | os.PathLike) -> tuple[MedusaHeads, torch.Te
 
     With ``original_lm_head`` the heads are built to share an LM head and its weight is returned
     (decoding uses the target's own LM head; compare them when it matters)."""
-    config, tensors = _read(folder, VLLM_WEIGHTS)
+    config, tensors = read_folder(folder, VLLM_WEIGHTS)
     _require(config, folder, "hidden_size", "vocab_size", "num_heads", "num_hidden_layers")
     if config.get("truncated_vocab_size", config["vocab_size"]) != config["vocab_size"] or "token_map" in tensors:
         raise SelfdraftError(f"{folder}: truncated-vocabulary Medusa (token_map) is not supported yet")
@@ -95,7 +96,7 @@ def import_fasterdecoding_medusa(folder: str | os.PathLike) -> MedusaHeads:
     if not (folder / FASTERDECODING_WEIGHTS).is_file() and (folder / "medusa_lm_head.pt").is_file():
         raise SelfdraftError(f"{folder} holds only medusa_lm_head.pt (pickle); selfdraft never unpickles weights. "
                              "Convert it to medusa_lm_head.safetensors in a trusted environment first")
-    config, tensors = _read(folder, FASTERDECODING_WEIGHTS)
+    config, tensors = read_folder(folder, FASTERDECODING_WEIGHTS)
     _require(config, folder, "medusa_num_heads", "medusa_num_layers")
     num_heads, num_layers = config["medusa_num_heads"], config["medusa_num_layers"]
     first_proj = tensors.get(f"0.{num_layers}.weight")
@@ -120,12 +121,56 @@ def _require(config: dict, folder, *keys: str) -> None:
         raise SelfdraftError(f"{folder}/config.json lacks {missing}")
 
 
-def _read(folder, weights_name: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    folder = pathlib.Path(folder)
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError as err:
-        raise SelfdraftError(f"{folder} has no config.json") from err
-    except json.JSONDecodeError as err:
-        raise SelfdraftError(f"{folder}/config.json is not valid JSON: {err}") from err
-    return config, read_weights(folder / weights_name)
+# ----------------------------------------------------------------------------------------------
+# The registry's view: one writer (vLLM) and two readers
+
+
+def _write_vllm(heads: MedusaHeads, ctx: ExportContext) -> tuple[pathlib.Path, str]:
+    record = ctx.record
+    lm_head = None
+    if heads.lm_heads is None:  # vLLM's Medusa holds its own copy of the shared LM head
+        loaded = ctx.load_target()
+        lm_head = loaded.model.get_output_embeddings().weight.detach().to(next(heads.parameters()).dtype)
+    K = heads.num_heads
+    details = [f"{K} heads of {len(heads.blocks[0])} residual blocks",
+               "its own LM heads" if heads.lm_heads is not None else "the target's LM head (copied in)"]
+    card = model_card(engine="vllm", engine_name="vLLM", title="Medusa", target=record.target.to_dict(),
+                      folder=str(ctx.out), run_config=record.run_config, evaluation=record.evaluation,
+                      details=details, acceptance=ctx.acceptance,
+                      command=vllm_command(ctx.target_path, str(ctx.out), "medusa", K))
+    folder = export_vllm_medusa(heads, ctx.out, lm_head, card=card)
+    return folder, f"wrote the medusa drafter in vLLM's MedusaModel layout to {folder}"
+
+
+def _is_vllm(folder: pathlib.Path, config: dict) -> bool:
+    return (config.get("architectures") or [None])[0] == "MedusaModel" and (folder / VLLM_WEIGHTS).is_file()
+
+
+def _read_vllm(folder: pathlib.Path, target) -> tuple[MedusaHeads, dict]:
+    heads, shared = import_vllm_medusa(folder)
+    if shared is not None:
+        theirs = target.model.get_output_embeddings().weight
+        if tuple(shared.shape) != tuple(theirs.shape) or not torch.equal(shared.to(theirs.dtype).cpu(), theirs.detach().cpu()):
+            raise SelfdraftError(f"{folder} carries a copy of an LM head that is not this target's: it was exported for "
+                                 "another target")
+    return heads, {}
+
+
+def _is_fasterdecoding(folder: pathlib.Path, config: dict) -> bool:
+    return "medusa_num_heads" in config
+
+
+def _read_fasterdecoding(folder: pathlib.Path, target) -> tuple[MedusaHeads, dict]:
+    return import_fasterdecoding_medusa(folder), {}
+
+
+def _vllm_serving(config: dict) -> dict | None:
+    """vLLM's Medusa drafts one token per head, so num_speculative_tokens is the head count."""
+    if (config.get("architectures") or [None])[0] != "MedusaModel":
+        return None
+    return {"method": "medusa", "num_speculative_tokens": int(config["num_heads"]), "fixed": True}
+
+
+WRITERS = (EngineWriter("vllm", "vLLM", _write_vllm, served_as=_vllm_serving),)
+READERS = (EngineReader("vLLM MedusaModel", _is_vllm, _read_vllm),
+           EngineReader("FasterDecoding Medusa", _is_fasterdecoding, _read_fasterdecoding))

@@ -1,0 +1,92 @@
+"""The one decoder layer of a feature drafter (EAGLE-1, EAGLE-3), built from transformers' own classes.
+
+Serving engines build every EAGLE draft layer as a Llama layer shaped like the target, whatever the
+target's family (no q/k/v biases, no q/k norms): :func:`llama_layer_config`. A drafter may instead
+use the target family's own layer (:func:`target_layer_config`); it then decodes here, but engines
+cannot load it. :func:`layer_classes` finds the decoder-layer and rotary-embedding classes the way the
+family's own model builds them, so no class is looked up by name.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from selfdraft.errors import SelfdraftError
+
+LAYERS = ("llama", "target")
+"""``drafter.eagle.layer``: a Llama layer (what engines load) or the target family's own."""
+
+# Fields of the target's text config that a Llama draft layer takes over unchanged.
+_LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "bos_token_id",
+                 "eos_token_id", "pad_token_id")
+VOLATILE = ("architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path")
+"""Config fields that say where a config came from, not what it builds: never stored in dims."""
+
+
+def llama_layer_config(text_config) -> dict[str, Any]:
+    """A one-layer Llama config shaped like ``text_config`` (any family): the same hidden, MLP and
+    attention sizes, head dim, activation, norm epsilon and RoPE, with no biases, no q/k norms and
+    untied embeddings. This is the layer vLLM and SGLang build for an EAGLE drafter."""
+    from transformers import LlamaConfig
+
+    values = {k: getattr(text_config, k) for k in _LLAMA_FIELDS if getattr(text_config, k, None) is not None}
+    values["head_dim"] = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    config = LlamaConfig(**values, num_hidden_layers=1, attention_bias=False, mlp_bias=False, tie_word_embeddings=False)
+    out = config.to_dict()
+    for volatile in VOLATILE:
+        out.pop(volatile, None)
+    return out
+
+
+def target_layer_config(text_config) -> dict[str, Any]:
+    """The target family's own config, for a draft layer of its own class (``layer: target``)."""
+    out = text_config.to_dict()
+    for volatile in VOLATILE:
+        out.pop(volatile, None)
+    return out
+
+
+def layer_config(text_config, layer: str) -> dict[str, Any]:
+    if layer not in LAYERS:
+        raise SelfdraftError(f"the draft layer must be one of {', '.join(LAYERS)}, got {layer!r}")
+    return llama_layer_config(text_config) if layer == "llama" else target_layer_config(text_config)
+
+
+def layer_classes(config) -> tuple[type[nn.Module], type[nn.Module]]:
+    """(decoder layer class, rotary embedding class) of ``config``'s family, as its own base model
+    builds them (a one-layer model made on the meta device: no memory, no weights)."""
+    from transformers import AutoModel
+
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = 1
+    try:  # forked RNG: finding the classes must not change the random start of the layer built next
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = AutoModel.from_config(small)
+    except (ValueError, KeyError) as err:
+        raise SelfdraftError(f"transformers cannot build a {config.model_type} model for a draft layer: {err}") from err
+    layers, rotary = getattr(model, "layers", None), getattr(model, "rotary_emb", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers) or rotary is None:
+        raise SelfdraftError(f"a {config.model_type} model has no decoder layers and rotary embedding where a Llama-like "
+                             "model has them (model.layers, model.rotary_emb): use drafter.eagle.layer=llama")
+    return type(layers[0]), type(rotary)
+
+
+def build_layer(layer_config: dict[str, Any]) -> tuple[Any, nn.Module, nn.Module]:
+    """(config, one decoder layer, its rotary embedding) from a stored layer config."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(**copy.deepcopy(layer_config))
+    cfg.num_hidden_layers = 1
+    cfg._attn_implementation = "sdpa"
+    layer_class, rotary_class = layer_classes(cfg)
+    layer = layer_class(cfg, layer_idx=0)
+    for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+        if not hasattr(layer, name):
+            raise SelfdraftError(f"{type(layer).__name__} has no {name}: feature drafters need a Llama-like layer "
+                                 "(use drafter.eagle.layer=llama)")
+    return cfg, layer, rotary_class(config=cfg)
