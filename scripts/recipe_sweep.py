@@ -121,7 +121,7 @@ class Sweep:
                 from selfdraft.train.chat_server import ServerConfig
                 from selfdraft.train.distill import TargetText
 
-                server = ServerConfig(self.args.distill_server, concurrency=self.args.distill_batch).validate()
+                server = ServerConfig(self.args.distill_server, concurrency=self.args.distill_batch)
                 distill(TargetText(*load_target_tokenizer("smollm2-135m")), data, folder, settings, server=server)
                 how = f"server {self.args.distill_server}"
             else:

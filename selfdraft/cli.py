@@ -67,13 +67,15 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args) -> int:
-    from selfdraft.configs.decode import PromptLookupConfig, TreeConfig
+    from selfdraft.configs.decode import DecodeConfig, PromptLookupConfig, TreeConfig
     from selfdraft.heads.target import load_target
     from selfdraft.inference.api import generate
 
     tree = {k: v for k, v in (("depth", args.tree_depth), ("top_k", args.tree_top_k), ("max_nodes", args.max_nodes))
             if v is not None}
     TreeConfig(**tree)  # bad values are refused before the target loads
+    DecodeConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                 seed=args.seed, acceptance="typical" if args.typical_acceptance else "exact")
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     result = generate(
         target,
@@ -235,7 +237,7 @@ def _run_distill(args) -> int:
     server = None
     if args.server:
         server = ServerConfig(args.server, model=args.server_model, concurrency=args.concurrency,
-                              timeout=args.request_timeout, retries=args.retries).validate()
+                              timeout=args.request_timeout, retries=args.retries)
         target = TargetText(*load_target_tokenizer(args.target))
     else:
         target = load_target(args.target, dtype=args.dtype, device=args.device)

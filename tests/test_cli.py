@@ -65,6 +65,7 @@ def test_unknown_target_lists_the_builtins():
 
 
 @pytest.mark.slow
+@pytest.mark.embedded  # `generate` without --target loads the embedded target before it checks --top-p
 def test_bad_numbers_are_clear_errors():
     assert_clean_error(cli("generate", "--prompt", "hi", "--max-new-tokens", "0"), "max-new-tokens", ">= 1")
     assert_clean_error(cli("generate", "--prompt", "hi", "--top-p", "1.5"), "top_p")

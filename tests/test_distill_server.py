@@ -184,7 +184,7 @@ def test_unreachable_server_writes_nothing(target_text, source, tmp_path):
         finally:
             srv.close()
     with pytest.raises(SelfdraftError, match="http"):
-        ServerConfig("localhost:8000").validate()
+        ServerConfig("localhost:8000")
 
 
 @pytest.mark.slow

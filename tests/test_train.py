@@ -303,6 +303,11 @@ SHARDED = {
 }
 
 
+SHARDED_STEPS = 16
+"""Steps of a sharded run: the kill lands at its first checkpoint (step 2), and the resumed run evaluates
+halfway and at the end (a launch spends about as long starting as in these steps)."""
+
+
 @pytest.fixture(scope="module")
 def one_process_runs(tiny_target, tmp_path_factory):
     """The single-process reference of a sharded run: ``run(overrides)`` -> (TrainResult, run folder),
@@ -333,8 +338,8 @@ def test_sharded_training_equals_one_process_and_resumes_after_a_kill(tiny_targe
     drafter = ["drafter.kind=medusa", "drafter.medusa.lora.rank=4"] if kind == "medusa2" else [f"drafter.kind={kind}"]
     # 2 conversations a batch and 7 held out: the last evaluation batch holds one, filled up with an
     # unscored one so that both processes run the target as often (a ZeRO-3 gather per forward).
-    run = [*drafter, "train.max_steps=40", "train.save_every=2", "train.eval_every=20", "train.dist_timeout_minutes=5",
-           "train.micro_batch_size=2", "data.eval_fraction=0.3", "train.eval_batches=0"]
+    run = [*drafter, f"train.max_steps={SHARDED_STEPS}", "train.save_every=2", f"train.eval_every={SHARDED_STEPS // 2}",
+           "train.dist_timeout_minutes=5", "train.micro_batch_size=2", "data.eval_fraction=0.3", "train.eval_batches=0"]
     whole = _launch([*config, *_overrides(tiny_target, tmp_path / "whole"), *run], {}, tmp_path)
     if strategy == "zero3":
         assert "ZeRO-3 created the target partitioned: this process holds" in whole.stderr
@@ -343,7 +348,7 @@ def test_sharded_training_equals_one_process_and_resumes_after_a_kill(tiny_targe
     killed = tmp_path / "killed"
     step = _killed_when_a_checkpoint_appears([*config, *_overrides(tiny_target, killed), *run], {}, tmp_path,
                                              killed / "checkpoints")
-    assert 2 <= step < 40
+    assert 2 <= step < SHARDED_STEPS
     resumed = _launch([*config, "--resume", *_overrides(tiny_target, killed), *run], {}, tmp_path)
     assert "resuming from" in resumed.stdout + resumed.stderr
     a = ckpt.load_tree(ckpt.latest_checkpoint(tmp_path / "whole" / "checkpoints"), "trainable")

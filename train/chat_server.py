@@ -40,12 +40,11 @@ class ServerConfig:
     429 or 5xx), with exponential backoff from ``backoff`` seconds."""
     backoff: float = 1.0
 
-    def validate(self) -> "ServerConfig":
+    def __post_init__(self):
         if not self.url.startswith(("http://", "https://")):
             raise SelfdraftError(f"--server must be an http:// or https:// URL, got {self.url!r}")
         if self.concurrency < 1 or self.retries < 0 or self.timeout <= 0 or self.backoff < 0:
             raise SelfdraftError("server concurrency must be >= 1, retries >= 0, timeout > 0 and backoff >= 0")
-        return self
 
     @property
     def base(self) -> str:
@@ -61,7 +60,7 @@ class ChatServer:
     """Answers chat histories through an OpenAI-compatible server."""
 
     def __init__(self, config: ServerConfig):
-        self.config = config.validate()
+        self.config = config
         self.model, self.context = self._served_model()
 
     # --- HTTP ----------------------------------------------------------------------------------------

@@ -29,8 +29,8 @@ from transformers import DynamicCache
 
 from selfdraft.configs.decode import TreeConfig
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.kinds.eagle.eagle1 import Eagle1Drafter
-from selfdraft.heads.kinds.eagle.eagle3 import Eagle3Drafter
+from selfdraft.heads.kinds.eagle.eagle1 import Eagle1Head
+from selfdraft.heads.kinds.eagle.eagle3 import Eagle3Head
 from selfdraft.heads.small_batch import use_small_batch_matmul
 from selfdraft.inference.drafters import Drafter, Verified, on_target
 from selfdraft.inference.session import StepOutput
@@ -56,7 +56,7 @@ class EagleTreeDrafter(Drafter):
     """An EAGLE-1 or EAGLE-3 drafter module behind the :class:`Drafter` interface, growing an EAGLE-2
     dynamic tree of ``tree`` (depth, top-k, node budget)."""
 
-    def __init__(self, drafter: Eagle1Drafter | Eagle3Drafter, target_model, tree: TreeConfig = TreeConfig()):
+    def __init__(self, drafter: Eagle1Head | Eagle3Head, target_model, tree: TreeConfig = TreeConfig()):
         self.config = tree
         text = target_model.config.get_text_config()
         kind = drafter.dims.KIND_FIELD
@@ -139,7 +139,7 @@ class EagleTreeDrafter(Drafter):
         return EagleState(state.cache, state.length, pending, None)
 
 
-def adapter(drafter: Eagle1Drafter | Eagle3Drafter, decode: dict, target, tree: dict[str, int]) -> EagleTreeDrafter:
+def adapter(drafter: Eagle1Head | Eagle3Head, decode: dict, target, tree: dict[str, int]) -> EagleTreeDrafter:
     """The drafter of a loaded folder, growing the tree stored with it (``decode["tree"]``; the default
     tree for folders that store none) with the fields of ``tree`` replaced."""
     return EagleTreeDrafter(drafter, target.model, TreeConfig(**{**decode.get("tree", {}), **tree}))

@@ -24,7 +24,7 @@ from selfdraft.heads.registry import Dims
 
 @dataclass(frozen=True)
 class Eagle1Dims(Dims):
-    KIND_FIELD = "eagle"
+    KIND_FIELD = "eagle"  # stored in config.json dims, as EAGLE folders always have
 
     vocab_size: int
     layer_config: dict[str, Any]
@@ -44,7 +44,9 @@ class Eagle1Dims(Dims):
         return cls(vocab_size=int(text.vocab_size), layer_config=layer_config(text, layer), fc_bias=fc_bias)
 
 
-class Eagle1Drafter(nn.Module):
+class Eagle1Head(nn.Module):
+    """The EAGLE-1 drafter module (weights and forward); see the module docstring."""
+
     def __init__(self, dims: Eagle1Dims):
         super().__init__()
         self.dims = dims

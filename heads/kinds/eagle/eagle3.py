@@ -59,7 +59,9 @@ class Eagle3Dims(Dims):
                    draft_vocab_size=int(draft_vocab_size or text.vocab_size))
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Head(nn.Module):
+    """The EAGLE-3 drafter module (weights and forward); see the module docstring."""
+
     def __init__(self, dims: Eagle3Dims):
         super().__init__()
         self.dims = dims

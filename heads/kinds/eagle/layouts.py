@@ -56,12 +56,12 @@ import torch
 from selfdraft.errors import SelfdraftError
 from selfdraft.heads.cards import model_card, sglang_command, vllm_command
 from selfdraft.heads.folders import load_strict, peek_config, read_folder, write_folder
-from selfdraft.heads.kinds.eagle.eagle1 import Eagle1Dims, Eagle1Drafter
-from selfdraft.heads.kinds.eagle.eagle3 import Eagle3Dims, Eagle3Drafter, default_aux_layers
+from selfdraft.heads.kinds.eagle.eagle1 import Eagle1Dims, Eagle1Head
+from selfdraft.heads.kinds.eagle.eagle3 import Eagle3Dims, Eagle3Head, default_aux_layers
 from selfdraft.heads.registry import EngineReader, EngineWriter, ExportContext
 from selfdraft.heads.target import TargetIdentity
 
-EagleDrafter = Eagle1Drafter | Eagle3Drafter
+EagleHead = Eagle1Head | Eagle3Head
 
 WEIGHTS = "model.safetensors"
 ENGINES = ("vllm", "sglang", "eagle-reference")
@@ -92,7 +92,7 @@ FIX = "train it with drafter.eagle.layer=llama (the default), which every engine
 # Checks: what each engine can load
 
 
-def engine_problems(drafter: EagleDrafter, engine: str, target: TargetIdentity) -> list[str]:
+def engine_problems(drafter: EagleHead, engine: str, target: TargetIdentity) -> list[str]:
     """Why ``engine`` cannot load ``drafter`` (trained for ``target``) as trained; empty: it can."""
     if engine not in ENGINES:
         raise SelfdraftError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
@@ -139,7 +139,7 @@ def engine_problems(drafter: EagleDrafter, engine: str, target: TargetIdentity) 
     return problems
 
 
-def check_exportable(drafter: EagleDrafter, engine: str, target: TargetIdentity) -> None:
+def check_exportable(drafter: EagleHead, engine: str, target: TargetIdentity) -> None:
     problems = engine_problems(drafter, engine, target)
     if problems:
         raise SelfdraftError(f"cannot export this {drafter.dims.KIND_FIELD} drafter for {ENGINE_NAMES[engine]}: " + "; ".join(problems))
@@ -157,7 +157,7 @@ def _rope_parameters(cfg) -> dict[str, Any]:
     return rope
 
 
-def _llama_config(drafter: EagleDrafter, architecture: str) -> dict[str, Any]:
+def _llama_config(drafter: EagleHead, architecture: str) -> dict[str, Any]:
     """A complete one-layer Llama config for the draft layer, readable by transformers 4 and 5."""
     cfg = drafter.layer_config
     rope = _rope_parameters(cfg)
@@ -182,12 +182,12 @@ def _llama_config(drafter: EagleDrafter, architecture: str) -> dict[str, Any]:
     return config
 
 
-def _ascending(drafter: EagleDrafter) -> torch.Tensor:
+def _ascending(drafter: EagleHead) -> torch.Tensor:
     """(V',) order that puts the draft vocabulary in ascending target-id order."""
     return torch.argsort(drafter.draft_to_target())
 
 
-def _eagle3_tensors(drafter: EagleDrafter, aux_order: list[int]) -> dict[str, torch.Tensor]:
+def _eagle3_tensors(drafter: EagleHead, aux_order: list[int]) -> dict[str, torch.Tensor]:
     """EAGLE-3 tensors in the engines' names: fc columns in ``aux_order`` (positions into the
     drafter's own aux list), draft vocabulary ascending by target id."""
     H = drafter.hidden_size
@@ -212,7 +212,7 @@ def _eagle3_tensors(drafter: EagleDrafter, aux_order: list[int]) -> dict[str, to
     return out
 
 
-def _eagle1_tensors(drafter: EagleDrafter, fc_bias: bool) -> dict[str, torch.Tensor]:
+def _eagle1_tensors(drafter: EagleHead, fc_bias: bool) -> dict[str, torch.Tensor]:
     out = {}
     for name, value in drafter.state_dict().items():
         out["layers.0." + name[len("layer."):] if name.startswith("layer.") else name] = value
@@ -223,7 +223,7 @@ def _eagle1_tensors(drafter: EagleDrafter, fc_bias: bool) -> dict[str, torch.Ten
     return out
 
 
-def engine_layout(drafter: EagleDrafter, engine: str, embed_weight: torch.Tensor | None = None,
+def engine_layout(drafter: EagleHead, engine: str, embed_weight: torch.Tensor | None = None,
                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, tensors) of ``drafter`` for ``engine``; see the module docstring. ``embed_weight``
     (V, H), the target's input embedding, is needed for ``eagle`` only."""
@@ -255,7 +255,7 @@ def engine_layout(drafter: EagleDrafter, engine: str, embed_weight: torch.Tensor
     return config, tensors
 
 
-def export_eagle(drafter: EagleDrafter, folder: str | os.PathLike, engine: str, target: TargetIdentity,
+def export_eagle(drafter: EagleHead, folder: str | os.PathLike, engine: str, target: TargetIdentity,
                  embed_weight: torch.Tensor | None = None, card: str | None = None) -> pathlib.Path:
     """Write ``drafter``, trained for ``target``, for ``engine`` (``vllm``, ``sglang`` or ``eagle``)
     into ``folder``, atomically, with ``card`` as its README.md; refused (nothing written) if that
@@ -335,7 +335,7 @@ def _folder_layer_config(config: dict, tensors: dict[str, torch.Tensor], prefix:
     return layer
 
 
-def import_eagle(folder: str | os.PathLike, target_model) -> EagleDrafter:
+def import_eagle(folder: str | os.PathLike, target_model) -> EagleHead:
     """Read an EAGLE-1/EAGLE-3 folder in a vLLM, SGLang, SpecForge or reference-EAGLE layout as a
     drafter for ``target_model``, fusing the layers it was trained on.
 
@@ -381,10 +381,10 @@ def import_eagle(folder: str | os.PathLike, target_model) -> EagleDrafter:
         ids = tensors["d2t"].long() + torch.arange(len(tensors["d2t"]))
         tensors["t2d"] = torch.zeros(text.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
         tensors["d2t"] = tensors["d2t"].long()
-        drafter = Eagle3Drafter(Eagle3Dims(vocab_size=int(text.vocab_size), layer_config=layer, aux_layers=aux,
+        drafter = Eagle3Head(Eagle3Dims(vocab_size=int(text.vocab_size), layer_config=layer, aux_layers=aux,
                                            draft_vocab_size=draft_vocab))
     else:
-        drafter = Eagle1Drafter(Eagle1Dims(vocab_size=int(text.vocab_size), layer_config=layer,
+        drafter = Eagle1Head(Eagle1Dims(vocab_size=int(text.vocab_size), layer_config=layer,
                                            fc_bias="fc.bias" in tensors))
     if kind == "eagle3":
         ours = {"midlayer.hidden_norm.weight": "hidden_norm.weight"}
@@ -417,7 +417,7 @@ def reference_command(target: str, folder: str, kind: str, depth: int, top_k: in
 
 
 def _writer(engine: str) -> EngineWriter:
-    def write(drafter: EagleDrafter, ctx: ExportContext) -> tuple[pathlib.Path, str]:
+    def write(drafter: EagleHead, ctx: ExportContext) -> tuple[pathlib.Path, str]:
         record, kind = ctx.record, drafter.dims.KIND_FIELD
         check_exportable(drafter, engine, record.target)  # before loading a target for nothing
         embed = None
@@ -425,7 +425,7 @@ def _writer(engine: str) -> EngineWriter:
             embed = ctx.load_target().model.get_input_embeddings().weight.detach()
         tree = record.decode.get("tree") or {"depth": 3, "top_k": 2, "max_nodes": 4}
         details = [f"one Llama decoder layer (hidden {drafter.hidden_size})"]
-        if isinstance(drafter, Eagle3Drafter):
+        if isinstance(drafter, Eagle3Head):
             details += [f"fuses the target's hidden_states {sorted(drafter.aux_layers)}",
                         f"draft vocabulary {drafter.draft_vocab_size} of {drafter.vocab_size} tokens"]
         folder = str(ctx.out)
@@ -460,7 +460,7 @@ def reader(kind: str) -> EngineReader:
     def detect(folder: pathlib.Path, config: dict) -> bool:
         return _kind_of(folder, config) == kind
 
-    def read(folder: pathlib.Path, target) -> tuple[EagleDrafter, dict]:
+    def read(folder: pathlib.Path, target) -> tuple[EagleHead, dict]:
         return import_eagle(folder, target.model), {}
 
     return EngineReader(f"{kind} engine layouts", detect, read)

@@ -14,8 +14,8 @@ from torch.nn import functional as F
 from selfdraft.configs.run import RunConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.heads.kinds import get_kind
-from selfdraft.heads.kinds.eagle.eagle1 import Eagle1Dims, Eagle1Drafter
-from selfdraft.heads.kinds.eagle.eagle3 import Eagle3Dims, Eagle3Drafter
+from selfdraft.heads.kinds.eagle.eagle1 import Eagle1Dims, Eagle1Head
+from selfdraft.heads.kinds.eagle.eagle3 import Eagle3Dims, Eagle3Head
 from selfdraft.heads.sparse_tree import expected_acceptance
 from selfdraft.train.features import target_features
 from selfdraft.train.objectives import (LOSS_CHUNK_ELEMENTS, DrafterObjective, Group, Teacher, as_linear, gathered,
@@ -171,8 +171,8 @@ class Eagle1Objective(EagleObjectiveBase):
     def _dims(self, run: RunConfig, target_model) -> Eagle1Dims:
         return Eagle1Dims.for_target(target_model, layer=run.drafter.eagle.layer)
 
-    def _new_drafter(self, dims: Eagle1Dims) -> Eagle1Drafter:
-        return Eagle1Drafter(dims)
+    def _new_drafter(self, dims: Eagle1Dims) -> Eagle1Head:
+        return Eagle1Head(dims)
 
     def _losses(self, pairs: Pairs) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         cfg, mask, lm_head, L = self.config, pairs.mask, pairs.lm_head, pairs.length
@@ -187,7 +187,7 @@ class Eagle1Objective(EagleObjectiveBase):
         p_hat, f_true = pred[mask], feats[:, 1:L][mask]  # (M, H); M may be 0 (collective safety)
         m = len(p_hat)
         reg = F.smooth_l1_loss(p_hat, f_true, reduction="sum") / max(1, p_hat.numel())  # the mean, 0 if empty
-        # EagleDrafter.logits(p_hat, lm_head) == lm_head(p_hat): the target's head, full vocabulary.
+        # Eagle1Head.logits(p_hat, lm_head) == lm_head(p_hat): the target's head, full vocabulary.
         group = Group(p_hat, lm_head, torch.arange(m, device=device), 1.0)
         with phase("losses"):
             kl, table = head_losses([group], Teacher(hidden=pairs.target_states[mask], head=lm_head), top_k=self.top_k,
@@ -223,8 +223,8 @@ class Eagle3Objective(EagleObjectiveBase):
         return Eagle3Dims.for_target(target_model, draft_vocab_size=e.draft_vocab_size,
                                      aux_layers=list(e.aux_layers) or None, layer=e.layer)
 
-    def _new_drafter(self, dims: Eagle3Dims) -> Eagle3Drafter:
-        return Eagle3Drafter(dims)
+    def _new_drafter(self, dims: Eagle3Dims) -> Eagle3Head:
+        return Eagle3Head(dims)
 
     def _start_from_target(self, target_model, train_data) -> None:
         text = target_model.config.get_text_config()
@@ -273,7 +273,7 @@ class Eagle3Objective(EagleObjectiveBase):
         groups = []
         for j, (step_out, sel, step_rows) in enumerate(zip(outputs, selections, rows)):
             # Every step's group, empty ones too (collective safety, zero_loss).
-            # EagleDrafter.logits(x) == lm_head(norm(x)): the norm here, the projection in the loss.
+            # Eagle3Head.logits(x) == lm_head(norm(x)): the norm here, the projection in the loss.
             h = self.drafter.norm(step_out[:, :L - 1][sel])  # (M, H)
             groups.append(Group(h, self.drafter.lm_head, step_rows, cfg.step_decay ** j))
         # KL to the target's distribution restricted to the draft vocabulary and renormalised there.
