@@ -3,8 +3,8 @@
 Serving engines build every EAGLE draft layer as a Llama layer shaped like the target, whatever the
 target's family (no q/k/v biases, no q/k norms): :func:`llama_layer_config`. A drafter may instead
 use the target family's own layer (:func:`target_layer_config`); it then decodes here, but engines
-cannot load it. :func:`layer_classes` finds the decoder-layer and rotary-embedding classes the way the
-family's own model builds them, so no class is looked up by name.
+cannot load it. :func:`layer_classes` finds the decoder-layer class the family's base model declares,
+rather than scanning a module for a name.
 """
 
 from __future__ import annotations
@@ -58,22 +58,26 @@ def layer_config(text_config, layer: str) -> dict[str, Any]:
 
 
 def layer_classes(config) -> tuple[type[nn.Module], type[nn.Module]]:
-    """(decoder layer class, rotary embedding class) of ``config``'s family, as its own base model
-    builds them (a one-layer model made on the meta device: no memory, no weights)."""
-    from transformers import AutoModel
+    """(decoder layer class, rotary embedding class) of ``config``'s family: the layer class its base
+    model declares as its unit (``_no_split_modules``), and the rotary embedding of the same modeling
+    module. Nothing is instantiated, so this also works inside DeepSpeed's ``zero.Init``."""
+    import sys
 
-    small = copy.deepcopy(config)
-    small.num_hidden_layers = 1
-    try:  # forked RNG: finding the classes must not change the random start of the layer built next
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model = AutoModel.from_config(small)
-    except (ValueError, KeyError) as err:
-        raise SelfdraftError(f"transformers cannot build a {config.model_type} model for a draft layer: {err}") from err
-    layers, rotary = getattr(model, "layers", None), getattr(model, "rotary_emb", None)
-    if not isinstance(layers, nn.ModuleList) or not len(layers) or rotary is None:
-        raise SelfdraftError(f"a {config.model_type} model has no decoder layers and rotary embedding where a Llama-like "
-                             "model has them (model.layers, model.rotary_emb): use drafter.eagle.layer=llama")
-    return type(layers[0]), type(rotary)
+    from transformers import MODEL_MAPPING
+
+    try:
+        model_class = MODEL_MAPPING[type(config)]
+    except KeyError:
+        raise SelfdraftError(f"transformers has no base model for a {config.model_type} config: use drafter.eagle.layer=llama") from None
+    module = sys.modules[model_class.__module__]
+    names = list(getattr(model_class, "_no_split_modules", None) or [])
+    layer_class = next((getattr(module, n) for n in names if isinstance(getattr(module, n, None), type)), None)
+    prefix = layer_class.__name__.removesuffix("DecoderLayer") if layer_class is not None else ""
+    rotary_class = getattr(module, f"{prefix}RotaryEmbedding", None) if prefix else None
+    if layer_class is None or rotary_class is None:
+        raise SelfdraftError(f"{model_class.__name__} declares no decoder layer class with a rotary embedding beside it "
+                             f"(units {names}): use drafter.eagle.layer=llama")
+    return layer_class, rotary_class
 
 
 def build_layer(layer_config: dict[str, Any]) -> tuple[Any, nn.Module, nn.Module]:

@@ -36,7 +36,7 @@ one of these, so a test's fixture closure names one of them exactly when the tes
 def pytest_collection_modifyitems(config, items):
     """Mark ``embedded`` every test whose fixtures (transitively) read the embedded package."""
     for item in items:
-        if EMBEDDED_FIXTURES.intersection(item.fixturenames):
+        if EMBEDDED_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.embedded)
 
 

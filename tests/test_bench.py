@@ -76,7 +76,6 @@ def _flip_method() -> bench.Method:
     return bench.Method("flip", build, "changes the first token")
 
 
-@pytest.mark.slow
 def test_bench_writes_every_field_and_flags_an_inexact_method(tiny_target, tiny_draft, tiny_medusa, tmp_path,
                                                               monkeypatch, capsys):
     monkeypatch.setitem(bench.METHODS, "flip", _flip_method())
@@ -148,7 +147,6 @@ def test_bench_writes_every_field_and_flags_an_inexact_method(tiny_target, tiny_
     assert not [p for p in out.iterdir() if p.name.startswith(".")], "temporary files left behind"
 
 
-@pytest.mark.slow
 def test_temperature_one_rows_have_no_exactness_and_greedy_only_methods_are_skipped(tiny_target, tiny_draft, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Say hello.", "id": "hi"}\n\n{"prompt": "def add(a, b):", "chat": false}\n')

@@ -25,6 +25,22 @@ def tokenizer(smollm2_tokenizer):
     return smollm2_tokenizer
 
 
+@pytest.mark.embedded
+def test_the_tokenizer_read_from_the_gguf_is_the_converted_targets(smollm2_tokenizer, tmp_path):
+    """The tokenizer-only fixture reads the GGUF's tokenizer where no converted folder exists yet: that is
+    the converted target's own tokenizer (vocabulary, special tokens, chat template)."""
+    from transformers import AutoTokenizer
+
+    from selfdraft.heads.target import BUILTIN_TARGETS, _builtin_sources, load_target_tokenizer, tokenizer_fingerprint
+
+    (gguf,) = _builtin_sources(BUILTIN_TARGETS["smollm2-135m"])
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp_path)
+    from_gguf = AutoTokenizer.from_pretrained(tmp_path)
+    converted, identity = load_target_tokenizer("smollm2-135m")
+    assert tokenizer_fingerprint(from_gguf) == tokenizer_fingerprint(smollm2_tokenizer) == identity.tokenizer_hash
+    assert from_gguf.chat_template == converted.chat_template == smollm2_tokenizer.chat_template
+
+
 def sharegpt_record(i, n_turns=2):
     turns = [{"from": "human" if t % 2 == 0 else "gpt", "value": f"turn {t} of conversation {i}"}
              for t in range(n_turns)]

@@ -51,7 +51,6 @@ def test_mixed_precision_comes_from_accelerate_unless_the_run_config_says(tiny_t
     AcceleratorState._reset_state(True)
 
 
-@pytest.mark.slow
 @pytest.mark.embedded
 def test_distill_pads_with_eos_where_the_tokenizer_has_no_pad_token(embedded_fp32, tmp_path):
     from selfdraft.configs.schema import DataConfig

@@ -83,7 +83,9 @@ def reference_loss(obj, input_ids, attention_mask, loss_mask) -> torch.Tensor:
     embeds = obj.target.get_input_embeddings()(input_ids[:, 1:]).detach().float()
     positions = torch.arange(L)[None].expand(B, L)
     target_logits = lm_head(features[:, 1:T - 1, -1]).float()  # (B, T-2, V)
-    if obj.kind == "eagle":
+    from selfdraft.heads.kinds.eagle.objective import Eagle1Objective
+
+    if isinstance(obj, Eagle1Objective):
         feats = features[:, :, -1].float()
         pred = drafter(feats[:, :-1], embeds, positions, None)[:, :T - 2]
         p_hat = pred[mask]
