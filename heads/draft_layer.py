@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import torch
 from torch import nn
 
 from selfdraft.errors import SelfdraftError
@@ -94,3 +93,17 @@ def build_layer(layer_config: dict[str, Any]) -> tuple[Any, nn.Module, nn.Module
             raise SelfdraftError(f"{type(layer).__name__} has no {name}: feature drafters need a Llama-like layer "
                                  "(use drafter.eagle.layer=llama)")
     return cfg, layer, rotary_class(config=cfg)
+
+
+class FeatureHead(nn.Module):
+    """What the modules of the EAGLE kinds share: their dims, one decoder layer built from the stored
+    layer config, and its rotary embedding."""
+
+    def _begin(self, dims) -> nn.Module:
+        """Set the dims, sizes and rotary embedding; return the new decoder layer for the subclass to
+        adapt and register (registered by the caller, so its weights draw from the RNG in their order)."""
+        self.dims = dims
+        cfg, layer, rotary = build_layer(dims.layer_config)
+        self.hidden_size, self.vocab_size, self.layer_config = cfg.hidden_size, dims.vocab_size, cfg
+        self.rotary = rotary
+        return layer

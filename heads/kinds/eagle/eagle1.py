@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.draft_layer import build_layer, layer_config
+from selfdraft.heads.draft_layer import FeatureHead, layer_config
 from selfdraft.heads.registry import Dims
 
 
@@ -44,16 +44,13 @@ class Eagle1Dims(Dims):
         return cls(vocab_size=int(text.vocab_size), layer_config=layer_config(text, layer), fc_bias=fc_bias)
 
 
-class Eagle1Head(nn.Module):
+class Eagle1Head(FeatureHead):
     """The EAGLE-1 drafter module (weights and forward); see the module docstring."""
 
     def __init__(self, dims: Eagle1Dims):
         super().__init__()
-        self.dims = dims
-        cfg, layer, rotary = build_layer(dims.layer_config)
-        H = cfg.hidden_size
-        self.hidden_size, self.vocab_size, self.layer_config = H, dims.vocab_size, cfg
-        self.rotary = rotary
+        layer = self._begin(dims)
+        H = self.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=dims.fc_bias)
         layer.input_layernorm = nn.Identity()  # the fused input is not normalised (EAGLE-1 / vLLM layout)
         self.layer = layer

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.draft_layer import build_layer, layer_config
+from selfdraft.heads.draft_layer import FeatureHead, layer_config
 from selfdraft.heads.registry import Dims
 
 
@@ -59,16 +59,13 @@ class Eagle3Dims(Dims):
                    draft_vocab_size=int(draft_vocab_size or text.vocab_size))
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(FeatureHead):
     """The EAGLE-3 drafter module (weights and forward); see the module docstring."""
 
     def __init__(self, dims: Eagle3Dims):
         super().__init__()
-        self.dims = dims
-        cfg, layer, rotary = build_layer(dims.layer_config)
-        H = cfg.hidden_size
-        self.hidden_size, self.vocab_size, self.layer_config = H, dims.vocab_size, cfg
-        self.rotary = rotary
+        layer = self._begin(dims)
+        H = self.hidden_size
         self.aux_layers = list(dims.aux_layers)
         self.fc = nn.Linear(len(self.aux_layers) * H, H, bias=False)
         attn = layer.self_attn
