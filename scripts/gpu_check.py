@@ -364,20 +364,27 @@ class Check:
                  "tests/test_tree_session.py"]
         env = dict(os.environ, SELFDRAFT_TEST_DEVICE=str(self.device))
         limit = max(30, int(self.left()) - 10)  # the last section: what is left of the budget
-        args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *files]
+        # -P: not the working directory first on sys.path, where the repository's own selfdraft/ folder (without
+        # heads/, configs/, ...) would hide the package-dir shim that gpu_check.sh builds.
+        safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+        args = [sys.executable, *safe_path, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-x", *files]
         if self.tiny:  # the smoke run checks the files import without the blocked packages; CI runs them
             args.append("--collect-only")
             env["PYTHONPATH"] = os.pathsep.join([str(self.work / "blocker"), env.get("PYTHONPATH", "")])
             (self.work / "blocker").mkdir(parents=True, exist_ok=True)
             (self.work / "blocker" / "sitecustomize.py").write_text(BLOCKER)
-        try:
-            proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
-            output, code = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as err:
-            output, code = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or ""), "timeout"
-        tail = output.strip().splitlines()[-25:]
+        # A line per test, straight into OUT/pytest.log: what ran comes back even if the device call is cut short.
+        log_path = self.out / "pytest.log"
+        with open(log_path, "w") as sink:
+            try:
+                code = subprocess.run(args, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=limit).returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+        lines = log_path.read_text(errors="replace").strip().splitlines()
+        tail = lines[-25:]
         log("\n".join("   " + line for line in tail))
-        entry.update(command=" ".join(args[2:]), returncode=code, summary=tail[-1] if tail else "", tail=tail)
+        entry.update(command=" ".join(args[1:]), returncode=code, summary=tail[-1] if tail else "", tail=tail,
+                     passed=sum(" PASSED" in line for line in lines), failed=sum(" FAILED" in line for line in lines))
         if code != 0:
             raise RuntimeError(f"pytest exited {code}: {entry['summary']}")
 
@@ -477,6 +484,51 @@ class Check:
         entry["shape"] = "llama-3.1-8b" + (" (tiny body)" if self.tiny else "")
         return target
 
+    def verify_surface(self, entry: dict, target) -> None:
+        """The batched verify-cost surface T(batch, tokens per row) of the 8B shape in bf16 at context 512:
+        one forward of B rows x M new tokens over a cache of B x 512 (a chain per row: the causal mask), the
+        cost model batched decoding and the speculation schedule need (issue 27)."""
+        import random
+
+        from transformers import DynamicCache
+
+        torch = self.torch
+        model = target.model
+        vocab = model.config.get_text_config().vocab_size
+        batches = [1, 2, 4, 8, 16, 32, 64] if not self.tiny else [1, 4]
+        per_row = [1, 2, 4, 8, 16, 32] if not self.tiny else [1, 4]
+        ctx = 512 if not self.tiny else 64
+        reps = 5 if not self.tiny else 2
+        rng = random.Random(2)
+        surface = {}
+        for b in batches:
+            cache = DynamicCache(config=model.config)
+            prompt = torch.tensor([[rng.randrange(vocab) for _ in range(ctx)] for _ in range(b)], device=self.device)
+            with torch.inference_mode():
+                model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            row = {}
+            for m in per_row:
+                ids = torch.randint(0, vocab, (b, m), device=self.device)
+                positions = torch.arange(ctx, ctx + m, device=self.device)
+                samples = []
+                for rep in range(reps + 2):
+                    start = self.clock()
+                    with torch.inference_mode():
+                        model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=positions,
+                              position_ids=positions.expand(b, m))
+                    elapsed = self.clock() - start
+                    cache.crop(-m)  # transformers 5.24+: a negative count drops the newest tokens
+                    if rep >= 2:
+                        samples.append(elapsed)
+                row[str(m)] = round(statistics.median(samples) * 1e3, 3)
+            surface[str(b)] = row
+            log(f"   B {b:3d}: " + "  ".join(f"M {m}: {row[str(m)]:7.2f} ms" for m in per_row))
+            del cache
+        entry["verify_ms"] = surface
+        entry.update(context=ctx, dtype=str(model.dtype).replace("torch.", ""),
+                     shape="llama-3.1-8b" + (" (tiny body)" if self.tiny else ""),
+                     layout="verify_ms[batch][tokens per row], full logits over the 128k vocabulary at every new token")
+
     def drafter_cost(self, entry: dict, target) -> None:
         """EAGLE-3 (draft vocabulary 32k) proposal time by tree depth, top_k 10 and 60 nodes, at context 512."""
         import random
@@ -566,6 +618,9 @@ class Check:
         with self.section("drafter_cost", needs=20) as entry:
             if entry is not None and target is not None:
                 self.drafter_cost(entry, target)
+        with self.section("verify_cost_batched", needs=30) as entry:
+            if entry is not None and target is not None:
+                self.verify_surface(entry, target)
         del target
         with self.section("bench", needs=30) as entry:
             if entry is not None:

@@ -32,6 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import selfdraft
 from selfdraft.configs.decode import GPU_TREE, DecodeConfig, DRAFT_MODEL_TREE, TreeConfig, PromptLookupConfig
 from selfdraft.heads.kinds.eagle import new_drafter
 from selfdraft.heads.kinds.medusa.module import MedusaHeads
@@ -182,6 +183,9 @@ CONFIGS = {
 
 
 SELFDRAFT = str(Path(__file__).resolve().parents[1])
+SELFDRAFT_ROOTS = (SELFDRAFT, str(Path(selfdraft.__file__).parent))
+"""Where selfdraft's code is: the repository, and the imported package (on the GPU machine a folder of links
+to the repository's folders, under another path)."""
 FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.eye,
              torch.rand, torch.randn, torch.randint, torch.randperm, torch.linspace}
 
@@ -197,7 +201,7 @@ class DevicelessFactories(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         caller = sys._getframe(1).f_code.co_filename
-        if func in FACTORIES and caller.startswith(SELFDRAFT) and "/tests/" not in caller:
+        if func in FACTORIES and caller.startswith(SELFDRAFT_ROOTS) and "/tests/" not in caller:
             self.checked += 1
             if kwargs.get("device") is None:
                 self.found.append(f"torch.{func.__name__} at {caller}:{sys._getframe(1).f_lineno}")

@@ -35,7 +35,7 @@ def test_every_section_runs_without_the_packages_the_gpu_machine_lacks(smoke):
     sections = report["sections"]
     assert {k for k, v in sections.items() if v["status"] == "ok"} == {
         "environment", "exactness_fp32", "training_bf16", "training_bf16_128k_vocab", "verify_cost", "drafter_cost",
-        "bench", "pytest"}, {k: v.get("error") or v.get("reason") for k, v in sections.items()}
+        "verify_cost_batched", "bench", "pytest"}, {k: v.get("error") or v.get("reason") for k, v in sections.items()}
     assert sections["exactness_fp32"]["all_exact"]
     drafters = sections["exactness_fp32"]["drafters"]
     assert set(drafters) >= {"none", "prompt-lookup", "eagle3-60-nodes", "medusa", "self-draft-tree"}
@@ -47,6 +47,8 @@ def test_every_section_runs_without_the_packages_the_gpu_machine_lacks(smoke):
     curve = sections["verify_cost"]["verify_ms"]
     assert all(set(row) == {"1", "2", "4", "8", "16", "32", "64", "128"} for row in curve.values())
     assert set(sections["drafter_cost"]["eagle3_propose"]) == {str(d) for d in range(1, 9)}
+    surface = sections["verify_cost_batched"]["verify_ms"]
+    assert set(surface) == {"1", "4"} and all(set(row) == {"1", "4"} and min(row.values()) > 0 for row in surface.values())
     assert "tests collected" in sections["pytest"]["summary"], sections["pytest"]["tail"]
     bench = json.loads((root / "out" / "bench" / "results.json").read_text())
     assert all(row["exact"] for row in bench["rows"])

@@ -70,7 +70,7 @@ class EagleTreeDrafter(Drafter):
         self.name = kind
         self.hidden_layers = drafter.target_layers(text.num_hidden_layers)
         self.device, self.dtype = target_model.device, target_model.dtype
-        self.draft_ids = drafter.token_map()  # (V',) on the device, or None (the target's vocabulary)
+        self.draft_ids = self.drafter.token_map()  # (V',) of the copy on the target's device, or None (its vocabulary)
 
     def _features(self, hidden: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Target hidden states (one (m, H) per requested layer) -> drafter input features (m, H)."""
