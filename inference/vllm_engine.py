@@ -64,20 +64,28 @@ def run_vllm(target: str | os.PathLike, prompts: Sequence[Sequence[int]], max_ne
              speculative: dict[str, Any] | None = None, temperatures: Sequence[float] | None = None,
              seeds: Sequence[int | None] | None = None, dtype: str = "float32", max_model_len: int = 2048,
              warmup: Sequence[Sequence[int]] = (), timeout: float = 3600, log: str | os.PathLike | None = None,
-             ) -> dict[str, Any]:
+             in_process: bool = False) -> dict[str, Any]:
     """Decode ``prompts`` (token ids) in one vLLM engine on the model folder ``target``, with
     ``speculative`` (vLLM's speculative_config; None decodes plainly). Returns the worker's result:
     ``vllm_version`` and per prompt ``token_ids``, ``seconds``, ``drafts``, ``draft_tokens``,
     ``accepted_tokens``, ``accepted_per_position``. vLLM's output goes to ``log`` (else a temporary
-    file whose tail is shown if the engine fails)."""
+    file whose tail is shown if the engine fails).
+
+    ``in_process``: the engine core and its one worker in the worker script's own process (vLLM's
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor) instead of the two processes ``vllm
+    serve`` starts: the same model code and kernels with two fewer imports of torch and vLLM, for checks of
+    what vLLM decodes; timings that stand for serving keep the default."""
     python = vllm_python()
     if python is None or not python.is_file():
         raise SelfdraftError(f"vLLM's venv is missing ({python or '.venv-vllm'}): {SETUP_HINT}")
     request = {"target": str(target), "speculative_config": speculative, "prompts": [list(map(int, p)) for p in prompts],
                "max_new_tokens": int(max_new_tokens), "dtype": dtype, "max_model_len": int(max_model_len),
                "temperatures": list(temperatures) if temperatures is not None else None,
-               "seeds": list(seeds) if seeds is not None else None, "warmup": [list(map(int, p)) for p in warmup]}
+               "seeds": list(seeds) if seeds is not None else None, "warmup": [list(map(int, p)) for p in warmup],
+               "executor": "uni" if in_process else None}
     env = dict(os.environ)
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     for name in ("PYTHONPATH", "VIRTUAL_ENV"):  # our venv's packages must not shadow vLLM's

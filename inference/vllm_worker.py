@@ -8,7 +8,8 @@ starts it as ``PYTHON vllm_worker.py REQUEST.json RESULT.json``.
 The request (JSON): ``target`` (a model folder), ``speculative_config`` (vLLM's dict, or null for
 plain decoding), ``prompts`` (lists of token ids), ``max_new_tokens``, ``dtype``, ``max_model_len``,
 ``temperatures`` and ``seeds`` (one per prompt, or null: greedy), ``warmup`` (prompts decoded first,
-greedily, and not reported).
+greedily, and not reported), ``executor`` (vLLM's ``distributed_executor_backend``, or null: its default;
+``uni`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in the environment runs the engine in this process).
 
 The result (JSON): ``vllm_version``; per prompt ``token_ids`` (new tokens), ``seconds`` (wall time
 of its ``generate`` call), and the differences of vLLM's counters around that call: ``drafts``
@@ -67,6 +68,8 @@ def main(request_path: str, result_path: str) -> None:
     kwargs = dict(model=request["target"], dtype=request.get("dtype", "float32"),
                   max_model_len=request.get("max_model_len", 1024), enforce_eager=True,
                   disable_log_stats=False, seed=0, trust_remote_code=False)
+    if request.get("executor"):
+        kwargs["distributed_executor_backend"] = request["executor"]
     if request.get("speculative_config"):
         kwargs["speculative_config"] = request["speculative_config"]
     llm = LLM(**kwargs)

@@ -53,7 +53,7 @@ def plain(target_path, prompts):
     from selfdraft.inference.vllm_engine import run_vllm
 
     try:
-        return run_vllm(target_path, prompts, NEW_TOKENS)
+        return run_vllm(target_path, prompts, NEW_TOKENS, in_process=True)
     except SelfdraftError as err:
         if any(sign in str(err) for sign in ("Illegal instruction", "SIGILL", "Failed to import from vllm._C")):
             pytest.skip(f"vLLM's CPU kernels cannot run on this processor: {err}")
@@ -134,7 +134,7 @@ def test_vllm_drafts_what_we_trained(kind, embedded_fp32, trained_smollm2, targe
 
     folder, _ = export(trained_smollm2[kind], "vllm", tmp_path / kind)
     mine = ours(embedded_fp32, chain_drafter(kind, trained_smollm2[kind], embedded_fp32), prompts)
-    engine = run_vllm(target_path, prompts, NEW_TOKENS, speculative=speculative_config(folder, DEPTH))
+    engine = run_vllm(target_path, prompts, NEW_TOKENS, speculative=speculative_config(folder, DEPTH), in_process=True)
     plain_tokens = [r["token_ids"] for r in plain["results"]]
     rows = compare(engine, mine, plain_tokens)
     report = json.dumps(rows, indent=1)
@@ -160,7 +160,7 @@ def test_a_broken_export_fails_the_comparison(embedded_fp32, trained_smollm2, ta
     config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
     (folder / "config.json").write_text(json.dumps(config))
     mine = ours(embedded_fp32, chain_drafter("eagle3", trained_smollm2["eagle3"], embedded_fp32), prompts)
-    engine = run_vllm(target_path, prompts, NEW_TOKENS, speculative=speculative_config(folder, DEPTH))
+    engine = run_vllm(target_path, prompts, NEW_TOKENS, speculative=speculative_config(folder, DEPTH), in_process=True)
     rows = compare(engine, mine, [r["token_ids"] for r in plain["results"]])
     assert all(row["identical_to_plain"] for row in rows)  # the target still verifies every token
     comparable = [row for row in rows if row["same_tokens_as_ours"]]
