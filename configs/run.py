@@ -105,9 +105,41 @@ class EagleConfig:
 
 
 @dataclass(frozen=True)
+class BlockConfig:
+    """Block drafters, DFlash (``kind: dflash``) and DSpark (``kind: dspark``): a whole block of tokens
+    per drafter forward, conditioned on several target layers."""
+
+    block_size: int = 8
+    """Slots per block, the anchor included: DFlash drafts block_size - 1 tokens, DSpark block_size."""
+    num_layers: int = 1
+    """Draft layers (Qwen3 layers shaped like the target)."""
+    target_layers: list[int] = field(default_factory=list)
+    """The fused target layers, as transformers ``hidden_states`` indices (i + 1 is decoder layer i's
+    output); empty: three spread from the second layer to the fourth-last, as z-lab's DFlash picks them.
+    Exports translate them into each engine's convention."""
+    draft_vocab_size: int = 8192
+    """The most frequent assistant tokens of the training data it drafts from, through its own LM head
+    (rows of the target's to start); the target's vocabulary size: through the target's frozen head."""
+    mask_token_id: int | None = None
+    """The token fed at every slot after the anchor; unset: the largest id that is not the target's
+    bos/eos/pad and never occurs in the training data. A token of the training data is refused."""
+    anchors: int = 64
+    """Blocks per sequence and step, their anchors drawn at random among assistant positions."""
+    loss_decay: float = 4.0
+    """gamma: the loss weight of the j-th drafted token is exp(-j / gamma)."""
+    markov_rank: int = 64
+    """DSpark: rank r of the Markov head."""
+    confidence_head: bool = True
+    """DSpark: train the confidence head (each slot's probability of being accepted)."""
+    confidence_weight: float = 1.0
+    """DSpark: weight of the confidence head's loss (binary cross-entropy against 1 - total variation
+    between the drafter's and the target's distributions at that slot)."""
+
+
+@dataclass(frozen=True)
 class DrafterConfig:
     kind: str = "medusa"
-    """Which drafter to train: a registered kind (``medusa``, ``eagle`` for EAGLE-1, ``eagle3``;
+    """Which drafter to train: a registered kind (``medusa``, ``eagle`` for EAGLE-1, ``eagle3``, ``dflash``, ``dspark``;
     ``selfdraft.heads.kinds`` lists them); an unknown name is refused with the known ones."""
     tree: TreeConfig = field(default_factory=TreeConfig)
     """The draft tree stored with the export as its decode default, and scored by the held-out
@@ -115,6 +147,8 @@ class DrafterConfig:
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     eagle: EagleConfig = field(default_factory=EagleConfig)
     """Options of the EAGLE kinds (``eagle`` and ``eagle3``)."""
+    block: BlockConfig = field(default_factory=BlockConfig)
+    """Options of the block kinds (``dflash`` and ``dspark``)."""
 
 
 @dataclass(frozen=True)
@@ -234,6 +268,12 @@ class RunConfig:
             (self.drafter.eagle.ttt_steps >= 1 and 0 < self.drafter.eagle.step_decay <= 1,
              "drafter.eagle needs ttt_steps >= 1 and step_decay in (0, 1]"),
             (self.drafter.eagle.draft_vocab_size >= 2, "drafter.eagle.draft_vocab_size must be >= 2"),
+            (self.drafter.block.block_size >= 2 and self.drafter.block.num_layers >= 1 and self.drafter.block.anchors >= 1,
+             "drafter.block needs block_size >= 2, num_layers >= 1 and anchors >= 1"),
+            (self.drafter.block.block_size < self.data.max_length,
+             f"drafter.block.block_size {self.drafter.block.block_size} must be below data.max_length {self.data.max_length}"),
+            (self.drafter.block.draft_vocab_size >= 2 and self.drafter.block.markov_rank >= 1, "drafter.block needs draft_vocab_size >= 2 and markov_rank >= 1"),
+            (self.drafter.block.loss_decay > 0 and self.drafter.block.confidence_weight >= 0, "drafter.block needs loss_decay > 0 and confidence_weight >= 0"),
         ]
         for ok, message in checks:
             if not ok:

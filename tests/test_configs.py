@@ -122,6 +122,7 @@ SECTION_OVERRIDES = {
     "drafter.medusa.num_heads": (7, 6),
     "drafter.medusa.lora.alpha": (3.5, 2.5),
     "drafter.eagle.ttt_steps": (5, 4),
+    "drafter.block.anchors": (32, 16),
     "train.max_steps": (123, 124),
 }
 

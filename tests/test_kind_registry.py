@@ -192,7 +192,7 @@ def test_a_kind_registered_at_run_time_trains_exports_and_decodes_exactly(toy_ki
 def test_unknown_kinds_and_formats_name_the_ones_that_exist(tmp_path):
     from selfdraft.train.export import export
 
-    with pytest.raises(SelfdraftError, match=r"unknown drafter kind 'nope'; known kinds: eagle, eagle3, medusa"):
+    with pytest.raises(SelfdraftError, match=r"unknown drafter kind 'nope'; known kinds: dflash, dspark, eagle, eagle3, medusa"):
         get_kind("nope")
     assert {"medusa", "eagle", "eagle3"} <= set(registered())
     with pytest.raises(SelfdraftError, match=r"unknown export format 'engine-x'; choose one of native, vllm, sglang, eagle-reference"):
@@ -205,6 +205,6 @@ def test_unknown_kinds_and_formats_name_the_ones_that_exist(tmp_path):
 def test_a_run_of_an_unknown_kind_is_refused_before_anything_runs(tiny_target, tmp_path):
     from selfdraft.train.loop import train
 
-    with pytest.raises(SelfdraftError, match="unknown drafter kind 'nope'; known kinds: eagle, eagle3, medusa"):
+    with pytest.raises(SelfdraftError, match="unknown drafter kind 'nope'; known kinds: dflash, dspark, eagle, eagle3, medusa"):
         train(toy_config(tiny_target, tmp_path / "run", "drafter.kind=nope"))
     assert not (tmp_path / "run").exists()

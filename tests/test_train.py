@@ -430,7 +430,8 @@ def test_a_corrupt_checkpoint_is_a_clear_error_that_points_to_the_previous_one(t
 def test_ttt_mask_and_draft_vocabulary_by_hand():
     import numpy as np
 
-    from selfdraft.heads.kinds.eagle.objective import draft_vocabulary, ttt_mask as _ttt_mask
+    from selfdraft.heads.kinds.eagle.objective import ttt_mask as _ttt_mask
+    from selfdraft.train.objectives import draft_vocabulary
 
     # L = 3 positions, step 1: query t sees step-0 keys s <= t-1 and its own step-1 key (s == t).
     visible = _ttt_mask(3, 1, torch.float32, "cpu")[0, 0] == 0

@@ -308,6 +308,18 @@ def head_losses(groups: list[Group], teacher: Teacher, *, top_k: int, ranks: int
     return _HeadLossFunction.apply(plan, *tensors)
 
 
+def draft_vocabulary(train_data, vocab_size: int, size: int) -> torch.Tensor:
+    """A reduced draft vocabulary (EAGLE-3, the block drafters): the ``size`` most frequent assistant
+    tokens of the training data (ties by smaller id), padded with the smallest unused ids if fewer
+    distinct tokens occur; (V',)."""
+    size = min(size, vocab_size)
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ids, mask in train_data:
+        np.add.at(counts, ids[mask.astype(bool)], 1)
+    order = np.lexsort((np.arange(vocab_size), -counts))  # count descending, then id ascending
+    return torch.from_numpy(np.sort(order[:size]).copy())
+
+
 def teacher_rows(selections: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """The positions any selection uses, ``need`` (B, S) bool (the teacher's rows are ``x[need]``), and
     each selection's rows among them, (M_i,) long, ascending: selections (B, S) bool, row-major."""

@@ -7,9 +7,9 @@ built-in kinds are registered before the first lookup. A kind added at run time 
 
 from selfdraft.heads.registry import (DrafterKind, Dims, EngineReader, EngineWriter, ExportContext, export_formats,
                                       get_kind, kind_of_module, read_engine_folder, register, registered, served_as, unregister)
-from selfdraft.heads.kinds import eagle, medusa
+from selfdraft.heads.kinds import block, eagle, medusa
 
-for _kind in (medusa.KIND, eagle.EAGLE1, eagle.EAGLE3):
+for _kind in (medusa.KIND, eagle.EAGLE1, eagle.EAGLE3, block.DFLASH, block.DSPARK):
     register(_kind)
 
 __all__ = ["DrafterKind", "Dims", "EngineReader", "EngineWriter", "ExportContext", "export_formats", "get_kind",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -18,8 +17,8 @@ from selfdraft.heads.kinds.eagle.eagle1 import Eagle1Dims, Eagle1Head
 from selfdraft.heads.kinds.eagle.eagle3 import Eagle3Dims, Eagle3Head
 from selfdraft.heads.sparse_tree import expected_acceptance
 from selfdraft.train.features import target_features
-from selfdraft.train.objectives import (LOSS_CHUNK_ELEMENTS, DrafterObjective, Group, Teacher, as_linear, gathered,
-                                        head_losses, segments_of, subtree, teacher_rows, unshard_units, zero_loss)
+from selfdraft.train.objectives import (LOSS_CHUNK_ELEMENTS, DrafterObjective, Group, Teacher, as_linear, draft_vocabulary,
+                                        gathered, head_losses, segments_of, subtree, teacher_rows, unshard_units, zero_loss)
 from selfdraft.train.profile import phase, recording
 
 logger = logging.getLogger(__name__)
@@ -193,17 +192,6 @@ class Eagle1Objective(EagleObjectiveBase):
             kl, table = head_losses([group], Teacher(hidden=pairs.target_states[mask], head=lm_head), top_k=self.top_k,
                                     ranks=pairs.ranks, chunk_elements=self.chunk_elements)
         return cfg.regression_weight * reg + cfg.kl_weight * kl, table, [m]
-
-
-def draft_vocabulary(train_data, vocab_size: int, size: int) -> torch.Tensor:
-    """EAGLE-3's draft vocabulary: the ``size`` most frequent assistant tokens of the training data
-    (ties by smaller id), padded with the smallest unused ids if fewer distinct tokens occur; (V',)."""
-    size = min(size, vocab_size)
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for ids, mask in train_data:
-        np.add.at(counts, ids[mask.astype(bool)], 1)
-    order = np.lexsort((np.arange(vocab_size), -counts))  # count descending, then id ascending
-    return torch.from_numpy(np.sort(order[:size]).copy())
 
 
 class Eagle3Objective(EagleObjectiveBase):

@@ -1,0 +1,123 @@
+"""Decoding with DFlash and DSpark drafters (the inference side of the block kinds): one drafter forward
+per step proposes a block, verified as a chain.
+
+Alignment. With committed tokens x_0..x_{L-1} (x_{L-1}, the anchor, not yet read by the target), the
+target has produced hidden states at positions 0..L-2: the drafter's context, kept as each draft layer's
+keys and values (fused once per position, appended as verification commits tokens). The block is
+[x_{L-1}, mask, ...] at positions L-1, L, ...; its drafted token j is x_{L+j}. DFlash reads all of them
+from one forward (argmax per slot); DSpark adds its Markov bias left to right, the previous token
+being the anchor, then each drafted token in turn. Drafts are deterministic given the state, so the
+decoder's verification keeps the target's output exact, greedy or sampled.
+
+Devices: the drafter is a copy on the target's device and dtype; the block's tokens reach the host in
+one copy per proposal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from selfdraft.configs.decode import TreeConfig
+from selfdraft.errors import SelfdraftError
+from selfdraft.heads.kinds.block.module import BlockHead
+from selfdraft.inference.drafters import Drafter, Verified, on_target
+from selfdraft.inference.session import StepOutput
+from selfdraft.inference.tree import DraftTree
+
+
+@dataclass
+class BlockState:
+    """A sequence's drafter state: each draft layer's context keys and values ((N, heads, d) each) over
+    positions 0..N-1, and the target's fused-layer states (m, n H) of positions N..N+m-1 not yet added."""
+
+    context: list[tuple[torch.Tensor, torch.Tensor]]
+    length: int
+    pending: torch.Tensor
+
+
+class BlockDrafter(Drafter):
+    """A DFlash or DSpark module behind the :class:`Drafter` interface, proposing ``depth`` tokens of
+    its block (at most the block's drafts) as a chain."""
+
+    def __init__(self, drafter: BlockHead, target_model, tree: TreeConfig = TreeConfig()):
+        text = target_model.config.get_text_config()
+        kind = drafter.dims.KIND_FIELD
+        if drafter.hidden_size != text.hidden_size or drafter.vocab_size != text.vocab_size:
+            raise SelfdraftError(f"this {kind} drafter is for hidden size {drafter.hidden_size} and vocabulary "
+                                 f"{drafter.vocab_size}; the target has {text.hidden_size} and {text.vocab_size}")
+        if max(drafter.dims.target_layers) > text.num_hidden_layers:
+            raise SelfdraftError(f"this {kind} drafter reads target layers {list(drafter.dims.target_layers)}; the target "
+                                 f"has {text.num_hidden_layers}")
+        self.drafter = on_target(drafter, target_model, f"the {kind} drafter").eval()
+        self.name = kind
+        self.drafts = min(tree.depth, drafter.dims.drafts_per_block)
+        self.embed = target_model.get_input_embeddings()
+        self.lm_head = target_model.get_output_embeddings()
+        self.hidden_layers = self.drafter.target_layers(text.num_hidden_layers)
+        self.device, self.dtype = target_model.device, target_model.dtype
+        self.draft_ids = self.drafter.token_map()  # (V',) of the copy on the target's device, or None
+        self.first = 1 - self.drafter.draft_offset  # the slot of the first drafted token
+        slots = self.drafter.block_size
+        self.block_tail = torch.full((slots - 1,), self.drafter.mask_token_id, dtype=torch.long, device=self.device)
+        self.slots = torch.arange(slots, device=self.device)
+
+    @torch.inference_mode()
+    def start(self, prompt_ids, prefill: StepOutput) -> BlockState:
+        shape = (0, self.drafter.dims.num_heads, self.drafter.dims.head_dim)
+        empty = [(torch.empty(shape, dtype=self.dtype, device=self.device),) * 2 for _ in self.drafter.layers]
+        return BlockState(empty, 0, torch.cat(prefill.hidden, dim=-1))
+
+    @torch.inference_mode()
+    def _catch_up(self, state: BlockState) -> BlockState:
+        m = state.pending.shape[0]
+        if m == 0:
+            return state
+        positions = torch.arange(state.length, state.length + m, device=self.device)
+        new = self.drafter.context_kv(self.drafter.fuse(state.pending.to(self.dtype)), positions)
+        context = [(torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(state.context, new)]
+        return BlockState(context, state.length + m, state.pending[:0])
+
+    @torch.inference_mode()
+    def propose(self, state: BlockState, sequence):
+        state = self._catch_up(state)
+        if state.length != len(sequence) - 1:
+            raise SelfdraftError(f"block drafter state out of step: context of {state.length} positions for a sequence of "
+                                 f"{len(sequence)} tokens; propose() must get the sequence this state observed")
+        anchor = int(sequence[-1])
+        ids = torch.cat([torch.tensor([anchor], dtype=torch.long, device=self.device), self.block_tail])
+        embeds = self.embed(ids)[None, None]  # (1, 1, S, H)
+        positions = (state.length + self.slots)[None, None]
+        context = [(k[None], v[None]) for k, v in state.context]
+        out = self.drafter(embeds, positions, context)[0, 0, self.first:self.first + self.drafts]  # (K, H)
+        tokens = self._draft(out, anchor)
+        return DraftTree.chain(tokens.tolist()), state
+
+    def _draft(self, out: torch.Tensor, anchor: int) -> torch.Tensor:
+        """(K, H) slot outputs -> (K,) target ids: each slot's argmax (DSpark: with the Markov bias of
+        the token before it, left to right)."""
+        logits = self.drafter.head(self.lm_head)(out)[:, : self.drafter.draft_vocab_size].float()  # (K, V')
+        if self.drafter.markov_head is None:
+            ids = logits.argmax(-1)
+            return ids if self.draft_ids is None else self.draft_ids[ids]
+        previous = torch.tensor(anchor, dtype=torch.long, device=self.device)
+        drafted = []
+        for j in range(len(logits)):
+            pick = (logits[j] + self.drafter.markov_bias(previous).float()).argmax()
+            previous = pick if self.draft_ids is None else self.draft_ids[pick]
+            drafted.append(previous)
+        return torch.stack(drafted)
+
+    def observe(self, state: BlockState, verified: Verified) -> BlockState:
+        with torch.inference_mode():
+            pending = torch.cat([state.pending, torch.cat(verified.hidden, dim=-1)])
+        return BlockState(state.context, state.length, pending)
+
+
+def adapter(drafter: BlockHead, decode: dict, target, tree: dict[str, int]) -> BlockDrafter:
+    """The drafter of a loaded folder, proposing the chain stored with it (``decode["tree"]``) with the
+    fields of ``tree`` replaced."""
+    stored = {**decode.get("tree", {}), **tree}
+    depth = stored.get("depth", drafter.dims.drafts_per_block)
+    return BlockDrafter(drafter, target.model, TreeConfig(depth=depth, top_k=1, max_nodes=max(depth, 1)))
