@@ -201,6 +201,7 @@ TRAINED_SMOLLM2 = {
     "medusa": ("smoke_cpu", ["drafter.medusa.num_heads=3", "drafter.tree.max_nodes=4"]),
     "eagle": ("smoke_eagle", []),
     "eagle3": ("smoke_eagle3", []),
+    "dflash": ("smoke_cpu", ["drafter.kind=dflash", "drafter.block.block_size=4"]),  # 3 drafts: the engine tests' depth
 }
 TRAINED_STEPS = 24
 
@@ -214,7 +215,7 @@ def engine_prompts():
 
 @pytest.fixture(scope="session")
 def trained_smollm2(embedded_fp32, engine_prompts, tmp_path_factory):
-    """kind -> native drafter folder of a Medusa (3 heads), EAGLE-1 and EAGLE-3 drafter, each trained
+    """kind -> native drafter folder of a Medusa (3 heads), EAGLE-1, EAGLE-3 and DFlash drafter, each trained
     for TRAINED_STEPS steps on the target's own greedy answers to ``engine_prompts`` (64 tokens).
 
     Deliberately overfit: an engine test needs drafts that the target accepts often on the prompts it

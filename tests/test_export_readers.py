@@ -12,7 +12,7 @@ from selfdraft.heads.kinds import get_kind, registered
 from selfdraft.inference.api import generate
 from selfdraft.train.export import export
 
-BUILT_IN = ("medusa", "eagle", "eagle3")
+BUILT_IN = ("medusa", "eagle", "eagle3", "dflash", "dspark")
 
 
 def trained_looking(kind: str, target):
@@ -24,12 +24,20 @@ def trained_looking(kind: str, target):
     text = target.model.config.get_text_config()
     if kind == "medusa":
         module = MedusaHeads.from_dims(MedusaDims(text.hidden_size, text.vocab_size, 3, 1, False))
+    elif kind in ("dflash", "dspark"):
+        from selfdraft.heads.kinds.block.module import BlockHead, DFlashDims, DSparkDims
+
+        extra = {"markov_rank": 8} if kind == "dspark" else {}
+        dims = (DSparkDims if kind == "dspark" else DFlashDims).shaped_like(
+            text, block_size=4, num_layers=1, draft_vocab_size=512, mask_token_id=text.vocab_size - 1,
+            target_layers=(2, 4, 6), **extra)
+        module = BlockHead(dims)
     else:
         module = new_drafter(target.model, kind, draft_vocab_size=512 if kind == "eagle3" else None)
     with torch.no_grad():
         for p in module.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    if kind == "eagle3":
+    if kind in ("eagle3", "dflash", "dspark"):
         module.set_vocab_map(torch.arange(512))
     return module.eval()
 

@@ -325,8 +325,8 @@ def one_process_runs(tiny_target, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,kind", [("zero3", "medusa"), ("zero3", "medusa2"), ("zero3", "eagle3"),
-                                           ("fsdp", "medusa"), ("fsdp", "eagle3")])
+@pytest.mark.parametrize("strategy,kind", [("zero3", "medusa"), ("zero3", "medusa2"), ("zero3", "eagle3"), ("zero3", "dspark"),
+                                           ("fsdp", "medusa"), ("fsdp", "eagle3"), ("fsdp", "dflash")])
 def test_sharded_training_equals_one_process_and_resumes_after_a_kill(tiny_target, tmp_path, one_process_runs, strategy,
                                                                     kind):
     """DeepSpeed ZeRO-3 and FSDP2 on 2 CPU processes (gloo), the target sharded (ZeRO-3: created
@@ -336,6 +336,8 @@ def test_sharded_training_equals_one_process_and_resumes_after_a_kill(tiny_targe
     accumulating the same batches (to float tolerance: 2 processes sum the gradients in another order)."""
     config = [*SHARDED[strategy], "-m", "selfdraft.train", "--config", "smoke_cpu"]
     drafter = ["drafter.kind=medusa", "drafter.medusa.lora.rank=4"] if kind == "medusa2" else [f"drafter.kind={kind}"]
+    if kind in ("dflash", "dspark"):  # every supervised position an anchor: the same blocks however the batches are split
+        drafter += ["drafter.block.anchors=64", "drafter.block.block_size=4", "drafter.block.draft_vocab_size=512"]
     # 2 conversations a batch and 7 held out: the last evaluation batch holds one, filled up with an
     # unscored one so that both processes run the target as often (a ZeRO-3 gather per forward).
     run = [*drafter, f"train.max_steps={SHARDED_STEPS}", "train.save_every=2", f"train.eval_every={SHARDED_STEPS // 2}",

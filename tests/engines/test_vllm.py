@@ -127,7 +127,7 @@ def compare(engine, mine, plain_tokens):
     return rows
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "dflash"])
 def test_vllm_drafts_what_we_trained(kind, embedded_fp32, trained_smollm2, target_path, prompts, plain, tmp_path):
     from selfdraft.inference.vllm_engine import run_vllm, speculative_config
     from selfdraft.train.export import export
@@ -149,17 +149,46 @@ def test_vllm_drafts_what_we_trained(kind, embedded_fp32, trained_smollm2, targe
     assert sum(row["ours"][1] for row in comparable) > 0, f"the trained drafter accepted nothing: no evidence\n{report}"
 
 
-def test_a_broken_export_fails_the_comparison(embedded_fp32, trained_smollm2, target_path, prompts, plain, tmp_path):
-    """The same EAGLE-3 export with the fused layers shifted by one (the old SGLang-id bug, read by
-    vLLM): vLLM still decodes the right text (the target verifies), but its drafts are not ours."""
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_vllm_serves_a_speculators_folder_by_itself(kind, embedded_fp32, trained_smollm2, prompts, plain, tmp_path):
+    """``--format speculators``: vLLM is given the folder alone (as ``vllm serve FOLDER``), finds the
+    target and the method in it, and drafts what we trained (same counters as our loop)."""
+    from selfdraft.inference.vllm_engine import run_vllm
+    from selfdraft.train.export import export
+
+    folder, _ = export(trained_smollm2[kind], "speculators", tmp_path / kind)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["speculators_model_type"] == kind
+    config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = DEPTH
+    (folder / "config.json").write_text(json.dumps(config))
+    mine = ours(embedded_fp32, chain_drafter(kind, trained_smollm2[kind], embedded_fp32), prompts)
+    engine = run_vllm(folder, prompts, NEW_TOKENS, in_process=True)  # no speculative config: the folder says it all
+    rows = compare(engine, mine, [r["token_ids"] for r in plain["results"]])
+    report = json.dumps(rows, indent=1)
+    assert all(row["identical_to_plain"] for row in rows), f"vLLM's speculative output differs from its plain output:\n{report}"
+    comparable = [row for row in rows if row["same_tokens_as_ours"]]
+    assert len(comparable) >= len(rows) - 1, f"vLLM and transformers decode different text:\n{report}"
+    for row in comparable:
+        assert row["vllm"][:2] == row["ours"][:2] and list(row["vllm"][2]) == row["ours"][2], f"counters differ:\n{report}"
+    assert sum(row["ours"][1] for row in comparable) > 0, f"the trained drafter accepted nothing: no evidence\n{report}"
+
+
+@pytest.mark.parametrize("kind", ["eagle3"])
+def test_a_broken_export_fails_the_comparison(kind, embedded_fp32, trained_smollm2, target_path, prompts, plain, tmp_path):
+    """The same export with the fused layers shifted by one (the old SGLang-id bug; for DFlash, z-lab's
+    "output of layer i" ids read as hidden_states indices): vLLM still decodes the right text (the
+    target verifies), but its drafts are not ours."""
     from selfdraft.inference.vllm_engine import run_vllm, speculative_config
     from selfdraft.train.export import export
 
-    folder, _ = export(trained_smollm2["eagle3"], "vllm", tmp_path / "broken")
+    folder, _ = export(trained_smollm2[kind], "vllm", tmp_path / "broken")
     config = json.loads((folder / "config.json").read_text())
-    config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    if kind == "eagle3":
+        config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    else:
+        config["dflash_config"]["target_layer_ids"] = [i + 1 for i in config["dflash_config"]["target_layer_ids"]]
     (folder / "config.json").write_text(json.dumps(config))
-    mine = ours(embedded_fp32, chain_drafter("eagle3", trained_smollm2["eagle3"], embedded_fp32), prompts)
+    mine = ours(embedded_fp32, chain_drafter(kind, trained_smollm2[kind], embedded_fp32), prompts)
     engine = run_vllm(target_path, prompts, NEW_TOKENS, speculative=speculative_config(folder, DEPTH), in_process=True)
     rows = compare(engine, mine, [r["token_ids"] for r in plain["results"]])
     assert all(row["identical_to_plain"] for row in rows)  # the target still verifies every token

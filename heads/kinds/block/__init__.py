@@ -8,6 +8,7 @@ Markov head and a confidence head:
 * ``decode.py``: the inference side (imported by the decoder only, by the path below).
 """
 
+from selfdraft.heads.kinds.block.layouts import reader, writers
 from selfdraft.heads.kinds.block.module import BlockHead, DFlashDims, DSparkDims, feature_layers
 from selfdraft.heads.registry import DrafterKind
 
@@ -19,6 +20,8 @@ DFLASH = DrafterKind(
     feature_layers=feature_layers,
     objective="selfdraft.heads.kinds.block.objective:BlockObjective",
     adapter="selfdraft.heads.kinds.block.decode:adapter",
+    writers=writers(),
+    readers=(reader("dflash"),),
     tree_options=("depth",),
 )
 
@@ -30,5 +33,7 @@ DSPARK = DrafterKind(
     feature_layers=feature_layers,
     objective="selfdraft.heads.kinds.block.objective:DSparkObjective",
     adapter="selfdraft.heads.kinds.block.decode:adapter",
+    writers=writers(),
+    readers=(reader("dspark"),),
     tree_options=("depth",),
 )

