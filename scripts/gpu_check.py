@@ -276,8 +276,23 @@ class Check:
                     p.add_(0.02 * torch.randn_like(p))
             return MedusaDrafter(heads, model)
 
+        def block(kind):
+            from selfdraft.heads.kinds.block.decode import BlockDrafter
+            from selfdraft.heads.kinds.block.module import BlockHead, DFlashDims, DSparkDims
+
+            torch.manual_seed(3)
+            dims = (DSparkDims if kind == "dspark" else DFlashDims).shaped_like(
+                text, block_size=8, num_layers=1, draft_vocab_size=4096, mask_token_id=text.vocab_size - 1,
+                target_layers=tuple(sorted({2, text.num_hidden_layers // 2, text.num_hidden_layers - 2})),
+                **({"markov_rank": 64} if kind == "dspark" else {}))
+            module = BlockHead(dims)
+            module.set_vocab_map(torch.randperm(text.vocab_size)[:4096].sort().values)
+            return BlockDrafter(module, model, TreeConfig(depth=dims.drafts_per_block, top_k=1, max_nodes=8))
+
         makers = {
             "none": NoDrafter,
+            "dflash-block-8": lambda: block("dflash"),
+            "dspark-block-8": lambda: block("dspark"),
             "prompt-lookup": PromptLookupDrafter,
             "eagle3-60-nodes": lambda: eagle("eagle3", GPU_TREE),
             "eagle-cpu-tree": lambda: eagle("eagle", TreeConfig()),

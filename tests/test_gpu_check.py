@@ -38,7 +38,8 @@ def test_every_section_runs_without_the_packages_the_gpu_machine_lacks(smoke):
         "verify_cost_batched", "bench", "pytest"}, {k: v.get("error") or v.get("reason") for k, v in sections.items()}
     assert sections["exactness_fp32"]["all_exact"]
     drafters = sections["exactness_fp32"]["drafters"]
-    assert set(drafters) >= {"none", "prompt-lookup", "eagle3-60-nodes", "medusa", "self-draft-tree"}
+    assert set(drafters) >= {"none", "prompt-lookup", "eagle3-60-nodes", "medusa", "self-draft-tree", "dflash-block-8",
+                             "dspark-block-8"}
     assert all(row["sampling_reproducible"] for row in drafters.values())
     for which in ("training_bf16", "training_bf16_128k_vocab"):
         rows = next(v for k, v in sections[which].items() if isinstance(v, dict))

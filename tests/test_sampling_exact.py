@@ -494,3 +494,48 @@ def test_sample_verify_on_hand_made_tree(law, test_device):
     pvalue, tv, _ = law.goodness_of_fit(first, host_probs[0].numpy())
     print(f"; first token chi2 p={pvalue:.3g} TV={tv:.4f}")
     assert pvalue > ALPHA, f"first token vs p[0]: chi-square p-value {pvalue:.3g} (TV {tv:.4f})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_block_drafter_session_has_target_distribution(kind, target_model, target, law):
+    """A DFlash / DSpark drafter proposing a block of 3 from one forward, through CausalLMSession: its
+    drafts are a deterministic chain given the state, and the sampled continuations keep the target's
+    law (the rule is the one every drafter's chain goes through, which the biased-rule tests above
+    show this harness rejects when wrong)."""
+    from selfdraft.configs.decode import TreeConfig
+    from selfdraft.configs.run import load_run_config
+    from selfdraft.heads.kinds.block.decode import BlockDrafter
+    from selfdraft.train.objectives import build_objective
+
+    # Trained a little on the target's own samples, so that it drafts what the target often says: the
+    # verifier then both accepts and rejects at every depth.
+    torch.manual_seed(11)
+    prompts = torch.tensor([PROMPT] * 64, device=target_model.device)
+    ids = target_model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, max_new_tokens=8,
+                                pad_token_id=0)
+    ids[ids == VOCAB - 1] = 0  # the mask token never occurs in the data
+    mask = torch.zeros_like(ids)
+    mask[:, len(PROMPT):] = 1
+    config = load_run_config("smoke_cpu", [
+        f"drafter.kind={kind}", f"drafter.block.block_size={4 if kind == 'dflash' else 3}",
+        f"drafter.block.draft_vocab_size={VOCAB}", f"drafter.block.mask_token_id={VOCAB - 1}",
+        "drafter.block.target_layers=[1]", "drafter.block.markov_rank=4", "drafter.block.anchors=8"])
+    objective = build_objective(config, target_model, [(i.cpu().numpy(), m.cpu().numpy()) for i, m in zip(ids, mask)])
+    optimizer = torch.optim.Adam([q for q in objective.parameters() if q.requires_grad], lr=1e-2)
+    for _ in range(60):
+        loss, _ = objective(ids, torch.ones_like(ids), mask)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    module = objective.drafter_module().eval()
+    drafter = BlockDrafter(module, target_model, TreeConfig(depth=3, top_k=1, max_nodes=3))
+    sampling, n = Sampling(1.0), 4_000
+    probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
+    start = time.perf_counter()
+    samples = sample_counts(lambda: CausalLMSession(target_model, hidden_layers=drafter.hidden_layers), drafter, sampling, n,
+                            seed0=2 * 10**6)
+    pvalue, tv = _check(law, f"CausalLMSession {kind} {sampling}", samples, probs, time.perf_counter() - start)
+    assert pvalue > ALPHA, f"{kind}, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
+    assert samples.accepted[1] > 0.05 * n and samples.drafted[1] - samples.accepted[1] > 0.05 * n, \
+        f"{kind}: depth 1 accepted {samples.accepted[1]} of {samples.drafted[1]} drafts in {n} runs: the test proves little"
