@@ -12,28 +12,14 @@ from selfdraft.heads.kinds.block.layouts import reader, writers
 from selfdraft.heads.kinds.block.module import BlockHead, DFlashDims, DSparkDims, feature_layers
 from selfdraft.heads.registry import DrafterKind
 
-DFLASH = DrafterKind(
-    name="dflash",
-    title="DFlash",
-    dims=DFlashDims,
-    build=BlockHead,
-    feature_layers=feature_layers,
-    objective="selfdraft.heads.kinds.block.objective:BlockObjective",
-    adapter="selfdraft.heads.kinds.block.decode:adapter",
-    writers=writers(),
-    readers=(reader("dflash"),),
-    tree_options=("depth",),
-)
 
-DSPARK = DrafterKind(
-    name="dspark",
-    title="DSpark",
-    dims=DSparkDims,
-    build=BlockHead,
-    feature_layers=feature_layers,
-    objective="selfdraft.heads.kinds.block.objective:DSparkObjective",
-    adapter="selfdraft.heads.kinds.block.decode:adapter",
-    writers=writers(),
-    readers=(reader("dspark"),),
-    tree_options=("depth",),
-)
+def _kind(name: str, title: str, dims: type, objective: str) -> DrafterKind:
+    """The two kinds differ in their dims and objective; module, layouts and decoding are shared."""
+    return DrafterKind(name=name, title=title, dims=dims, build=BlockHead, feature_layers=feature_layers,
+                       objective=f"selfdraft.heads.kinds.block.objective:{objective}",
+                       adapter="selfdraft.heads.kinds.block.decode:adapter", writers=writers(), readers=(reader(name),),
+                       tree_options=("depth",))
+
+
+DFLASH = _kind("dflash", "DFlash", DFlashDims, "BlockObjective")
+DSPARK = _kind("dspark", "DSpark", DSparkDims, "DSparkObjective")
