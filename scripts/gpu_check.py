@@ -375,14 +375,17 @@ class Check:
 
     def pytest_subset(self, entry: dict) -> None:
         """The exactness suites with SELFDRAFT_TEST_DEVICE set to this device."""
-        files = ["tests/test_decode_devices.py", "tests/test_greedy_exact.py", "tests/test_sampling_exact.py",
-                 "tests/test_tree_session.py"]
+        # The quick files first, the chi-square file (minutes on a GPU: many small sampled steps) last.
+        files = ["tests/test_tree_session.py", "tests/test_decode_devices.py", "tests/test_greedy_exact.py",
+                 "tests/test_sampling_exact.py"]
         env = dict(os.environ, SELFDRAFT_TEST_DEVICE=str(self.device))
         limit = max(30, int(self.left()) - 10)  # the last section: what is left of the budget
         # -P: not the working directory first on sys.path, where the repository's own selfdraft/ folder (without
         # heads/, configs/, ...) would hide the package-dir shim that gpu_check.sh builds.
         safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-        args = [sys.executable, *safe_path, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-x", *files]
+        args = [sys.executable, *safe_path, "-m", "pytest", "-v", "-p", "no:cacheprovider", *files]
+        if self.args.pytest_k:
+            args += ["-k", self.args.pytest_k]
         if self.tiny:  # the smoke run checks the files import without the blocked packages; CI runs them
             args.append("--collect-only")
             env["PYTHONPATH"] = os.pathsep.join([str(self.work / "blocker"), env.get("PYTHONPATH", "")])
@@ -419,7 +422,9 @@ class Check:
         loss_mask[:, : length // 8] = 0  # a prompt
         data = [(ids[b].numpy(), loss_mask[b].numpy()) for b in range(batch)]
         batch_tensors = [t.to(self.device) for t in (ids, attention, loss_mask)]
-        presets = {"eagle3": ["drafter.kind=eagle3", "drafter.eagle.draft_vocab_size=32000"], "medusa": [], "eagle": ["drafter.kind=eagle"]}
+        presets = {"eagle3": ["drafter.kind=eagle3", "drafter.eagle.draft_vocab_size=32000"], "medusa": [], "eagle": ["drafter.kind=eagle"],
+                   "dflash": ["drafter.kind=dflash", "drafter.block.draft_vocab_size=32000"],
+                   "dspark": ["drafter.kind=dspark", "drafter.block.draft_vocab_size=32000"]}
         rows = {}
         for kind in kinds:
             config = load_run_config("smoke_cpu", presets[kind])
@@ -580,6 +585,42 @@ class Check:
             log(f"   EAGLE-3 depth {depth}: {rows[str(depth)]['ms']:8.3f} ms per proposal ({tree.num_nodes} nodes)")
         entry["eagle3_propose"] = rows
         entry["context"] = ctx
+        entry["block_propose"] = self.block_cost(model, ids, sequence, reps)
+
+    def block_cost(self, model, ids: list[int], sequence: list[int], reps: int) -> dict:
+        """DFlash / DSpark (draft vocabulary 32k): one drafter forward per block, by block size and draft
+        layers, at the same context as EAGLE-3's rows (the drafting share that issue 26's aim compares)."""
+        from selfdraft.configs.decode import TreeConfig
+        from selfdraft.heads.kinds.block.decode import BlockDrafter
+        from selfdraft.heads.kinds.block.module import BlockHead, DFlashDims, DSparkDims
+        from selfdraft.inference.session import CausalLMSession
+
+        torch = self.torch
+        text = model.config.get_text_config()
+        n = text.num_hidden_layers
+        rows = {}
+        for kind in ("dflash", "dspark"):
+            for block, layers in ((8, 1), (16, 1), (8, 5), (16, 5)):
+                torch.manual_seed(5)
+                dims = (DSparkDims if kind == "dspark" else DFlashDims).shaped_like(
+                    text, block_size=block, num_layers=layers, draft_vocab_size=32000, mask_token_id=text.vocab_size - 1,
+                    target_layers=tuple(sorted({1, n // 2, n - 2})), **({"markov_rank": 256} if kind == "dspark" else {}))
+                module = BlockHead(dims).to(device=self.device, dtype=model.dtype)
+                module.set_vocab_map(torch.randperm(text.vocab_size)[:32000].sort().values)
+                drafter = BlockDrafter(module, model, TreeConfig(depth=dims.drafts_per_block, top_k=1, max_nodes=block))
+                session = CausalLMSession(model, hidden_layers=drafter.hidden_layers)
+                state = drafter.start(ids, session.prefill(ids))
+                samples = []
+                for rep in range(reps + 2):
+                    start = self.clock()
+                    tree, state = drafter.propose(state, sequence)
+                    if rep >= 2:
+                        samples.append(self.clock() - start)
+                key = f"{kind} block {block} layers {layers}"
+                rows[key] = {"ms": round(statistics.median(samples) * 1e3, 3), "nodes": tree.num_nodes}
+                log(f"   {key}: {rows[key]['ms']:8.3f} ms per proposal ({tree.num_nodes} nodes)")
+                del drafter, module, session, state
+        return rows
 
     def bench(self, entry: dict) -> None:
         """``selfdraft bench`` on the device, fp32, with a random EAGLE-3 drafter folder: exactness and the
@@ -622,16 +663,18 @@ class Check:
                 self.exactness(entry)
         with self.section("training_bf16", needs=20) as entry:
             if entry is not None:
-                self.training(entry, "smollm2", ["eagle3", "medusa", "eagle"], *((2, 128, 2) if tiny else (4, 2048, 5)))
+                self.training(entry, "smollm2", ["eagle3", "medusa", "eagle", "dflash", "dspark"], *((2, 128, 2) if tiny else (4, 2048, 5)))
         with self.section("training_bf16_128k_vocab", needs=30) as entry:
             if entry is not None:
-                self.training(entry, "llama8b", ["eagle3"], *((1, 128, 1) if tiny else (2, 2048, 3)))
+                self.training(entry, "llama8b", ["eagle3", "dspark"], *((1, 128, 1) if tiny else (2, 2048, 3)))
         target = None
         with self.section("verify_cost", needs=30) as entry:
             if entry is not None:
                 target = self.verify_curve(entry)
         with self.section("drafter_cost", needs=20) as entry:
-            if entry is not None and target is not None:
+            if entry is not None:
+                if target is None:  # verify_cost not asked for: the same bf16 8B-shape target
+                    target = self.target("llama8b", torch.bfloat16 if (self.device.type == "cuda" or not tiny) else torch.float32)
                 self.drafter_cost(entry, target)
         with self.section("verify_cost_batched", needs=30) as entry:
             if entry is not None and target is not None:
@@ -700,6 +743,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="gpu_check_out")
     parser.add_argument("--budget", type=float, default=450.0, help="seconds; sections that no longer fit are skipped")
     parser.add_argument("--sections", help="comma-separated: run only these sections (environment always)")
+    parser.add_argument("--pytest-k", default=os.environ.get("GPU_CHECK_PYTEST_K"), help="the pytest section: only the tests this -k expression selects (a rerun of those "
+                        "a cut-short run did not reach)")
     parser.add_argument("--predict", metavar="BENCH_RESULTS_JSON", help="predict GPU speed-ups from a CPU bench")
     parser.add_argument("--gpu", metavar="GPU_CHECK_JSON", help="with --predict: the check's gpu_check.json")
     parser.add_argument("--context", help="with --predict: which measured context to use (default the longest)")

@@ -176,3 +176,18 @@ def test_bad_block_settings_name_the_fix(tiny_target, tmp_path):
     with pytest.raises(SelfdraftError, match="markov_rank"):
         DSparkDims.shaped_like(text, block_size=4, num_layers=1, draft_vocab_size=64, mask_token_id=3, target_layers=(2, 4),
                                markov_rank=0)
+
+
+def test_default_layers_and_mask_token_on_shallow_targets_and_list_eos():
+    """The defaults hold on any target: distinct layers below the last (the middle one alone under 6
+    layers), and a mask token chosen past a list of eos ids (Llama 3.1's config has three)."""
+    import types
+
+    from selfdraft.heads.kinds.block.objective import choose_mask_token
+
+    for layers in range(2, 40):
+        chosen = default_target_layers(layers)
+        assert chosen == sorted(set(chosen)) and all(1 <= i < layers for i in chosen), (layers, chosen)
+    assert default_target_layers(32) == [2, 16, 30]
+    config = types.SimpleNamespace(vocab_size=10, bos_token_id=0, eos_token_id=[9, 8], pad_token_id=None)
+    assert choose_mask_token(config, [([1, 2, 7], [0, 1, 1])], None) == 6

@@ -521,7 +521,8 @@ def test_block_drafter_session_has_target_distribution(kind, target_model, targe
         f"drafter.kind={kind}", f"drafter.block.block_size={4 if kind == 'dflash' else 3}",
         f"drafter.block.draft_vocab_size={VOCAB}", f"drafter.block.mask_token_id={VOCAB - 1}",
         "drafter.block.target_layers=[1]", "drafter.block.markov_rank=4", "drafter.block.anchors=8"])
-    objective = build_objective(config, target_model, [(i.cpu().numpy(), m.cpu().numpy()) for i, m in zip(ids, mask)])
+    data = [(i.cpu().numpy(), m.cpu().numpy()) for i, m in zip(ids, mask)]
+    objective = build_objective(config, target_model, data).to(target_model.device)  # as the training loop places it
     optimizer = torch.optim.Adam([q for q in objective.parameters() if q.requires_grad], lr=1e-2)
     for _ in range(60):
         loss, _ = objective(ids, torch.ones_like(ids), mask)

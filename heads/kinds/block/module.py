@@ -45,7 +45,9 @@ def default_target_layers(num_layers: int, count: int = 3) -> list[int]:
     ``hidden_states`` index (the output of decoder layer i is index i + 1)."""
     if count == 1:
         return [num_layers // 2 + 1]
-    return [round(1 + k * (num_layers - 4) / (count - 1)) + 1 for k in range(count)]
+    if num_layers < 6:  # too shallow to spread three apart: the middle layer's output alone
+        return [max(1, num_layers // 2)]
+    return sorted({round(1 + k * (num_layers - 4) / (count - 1)) + 1 for k in range(count)})
 
 
 def feature_layers(config, num_layers: int) -> list[int]:

@@ -53,7 +53,7 @@ def choose_mask_token(text_config, train_data, configured: int | None) -> int:
                                  "could not tell a mask from it; choose a token that never occurs (e.g. an unused special "
                                  "token of the tokenizer), or leave it unset to have one chosen")
         return int(configured)
-    special = {getattr(text_config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    special = [getattr(text_config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")]
     special = {int(i) for s in special if s is not None for i in (s if isinstance(s, (list, tuple)) else [s])}
     for candidate in range(vocab - 1, -1, -1):
         if candidate not in special and not seen[candidate]:
