@@ -20,6 +20,7 @@ from selfdraft.configs.decode import DecodeConfig, PromptLookupConfig, TreeConfi
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.decode import speculative_decode
 from selfdraft.inference.drafters import Drafter
+from selfdraft.inference.schedule import schedule_for
 from selfdraft.inference.specs import make_drafter
 from selfdraft.inference.session import CausalLMSession
 
@@ -42,6 +43,9 @@ class GenerationResult:
     depth_acceptance: dict[int, float]
     """Draft depth d -> share of verification steps with a depth-d draft that accepted a token there."""
     draft_nodes_per_step: float
+    """Draft nodes verified per step (after the schedule's cut)."""
+    proposed_nodes_per_step: float
+    """Draft nodes the drafter proposed per step (before the cut)."""
     seconds: float
     tokens_per_second: float
     draft_seconds: float
@@ -87,6 +91,7 @@ def generate(
     dtype: str = "auto",
     device: str = "cpu",
     prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
+    schedule: str = "confidence",
 ) -> GenerationResult:
     """Decode one prompt with a drafter and return the text and acceptance statistics.
 
@@ -97,7 +102,9 @@ def generate(
     ``acceptance="typical"`` is Medusa's LOSSY typical acceptance (sampling only). ``tree`` sets a
     trained drafter folder's tree (a :class:`TreeConfig`, or a dict of the fields to change in its
     stored tree, e.g. ``{"max_nodes": 8}``: a Medusa drafter then rebuilds its sparse tree for that node
-    budget from its stored accuracies).
+    budget from its stored accuracies). ``schedule="confidence"`` (the default) verifies only the part
+    of a block drafter's block worth verifying on this machine (inference/schedule.py); ``"off"``
+    verifies every draft.
     """
     config = DecodeConfig(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -114,7 +121,8 @@ def generate(
 
     session = CausalLMSession(target.model, hidden_layers=drafter.hidden_layers)
     out = speculative_decode(
-        session, ids, drafter, config, eos_token_ids=target.eos_token_ids, max_context=target.max_context
+        session, ids, drafter, config, eos_token_ids=target.eos_token_ids, max_context=target.max_context,
+        schedule=schedule_for(target, drafter, schedule),
     )
     stats = out.stats
     new = len(out.token_ids)
@@ -130,6 +138,7 @@ def generate(
         accept_histogram=dict(sorted(stats.accept_histogram.items())),
         depth_acceptance=stats.depth_acceptance(),
         draft_nodes_per_step=stats.draft_nodes / steps,
+        proposed_nodes_per_step=stats.proposed_nodes / steps,
         seconds=out.seconds,
         tokens_per_second=new / out.seconds if out.seconds > 0 else float("inf"),
         draft_seconds=stats.draft_seconds,

@@ -24,6 +24,7 @@ import torch
 from selfdraft.configs.decode import DecodeConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.drafters import Drafter, Verified
+from selfdraft.inference.schedule import VerifySchedule
 from selfdraft.inference.session import TargetSession
 from selfdraft.inference.tree import DraftTree, build_tree_buffers
 from selfdraft.inference.verify import choose_token, greedy_verify, sample_verify, target_probs, typical_verify
@@ -46,6 +47,9 @@ class DecodeStats:
     depth_drafted: Counter = field(default_factory=Counter)
     depth_accepted: Counter = field(default_factory=Counter)
     draft_nodes: int = 0
+    """Draft nodes verified (after the schedule's cut, if any)."""
+    proposed_nodes: int = 0
+    """Draft nodes the drafter proposed (before the schedule's cut)."""
     draft_seconds: float = 0.0
 
     def depth_acceptance(self) -> dict[int, float]:
@@ -70,12 +74,14 @@ def speculative_decode(
     eos_token_ids: Sequence[int] = (),
     max_context: int | None = None,
     sample_rule: SampleRule = sample_verify,
+    schedule: VerifySchedule | None = None,
 ) -> DecodeOutput:
     """Generate up to ``config.max_new_tokens`` tokens after ``prompt_ids``.
 
     Greedy (temperature 0) output equals the target's own greedy decoding; sampled output has the
     target's distribution (after temperature / top-k / top-p). ``sample_rule`` exists so the tests
-    can plant a biased rule and show that they detect it.
+    can plant a biased rule and show that they detect it. With a ``schedule``, each tree that carries
+    node values is cut to the part worth verifying (inference/schedule.py); exact all the same.
     """
     prompt_ids = list(prompt_ids)
     if not prompt_ids:
@@ -115,11 +121,14 @@ def speculative_decode(
         t0 = time.perf_counter()
         tree, state = drafter.propose(state, sequence)
         stats.draft_seconds += time.perf_counter() - t0
+        stats.proposed_nodes += tree.num_nodes
         # Deeper nodes could never be emitted (budget) or would not fit the context.
         max_depth = remaining - 1
         if max_context is not None:
             max_depth = min(max_depth, max_context - 1 - session.length)
         tree = tree.prune(max_depth=max_depth, max_nodes=tree.num_nodes)
+        if schedule is not None:  # what is worth verifying of what can still be emitted
+            tree = schedule.cut(tree)
         buffers = _buffers(tree)
 
         out = session.verify(sequence[-1], tree, buffers)

@@ -66,6 +66,9 @@ class Drafter(ABC):
     name: str = "drafter"
     hidden_layers: tuple[int, ...] = ()
     """Target layers whose hidden states the drafter reads (transformers' hidden_states numbering)."""
+    valued_nodes: int = 0
+    """The most nodes of a tree whose nodes carry values (``DraftTree.values``), which confidence-
+    scheduled verification cuts by; 0: its trees carry none."""
 
     def start(self, prompt_ids: Sequence[int], prefill: StepOutput) -> Any:
         """Begin a sequence: the target has just run its prefill on ``prompt_ids``. Returns the state."""

@@ -51,6 +51,9 @@ class DraftTree:
     host: InitVar[tuple[Sequence[int], Sequence[int]] | None] = None
     """The same tokens and parents as sequences of ints, when the caller has them (saves reading the
     tensors back); :meth:`from_lists` passes them."""
+    values: tuple[float, ...] | None = None
+    """Optional, per node: the drafter's estimate of the probability that the target accepts the path
+    to it, which confidence-scheduled verification (inference/schedule.py) ranks nodes by."""
 
     def __post_init__(self, host):
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
@@ -62,6 +65,9 @@ class DraftTree:
                                  f"({self.parents.device}) must be CPU tensors; build it with DraftTree.from_lists")
         if host is not None:  # cached_property values live in the instance dict
             self.__dict__.update(token_ids=tuple(host[0]), parent_ids=tuple(host[1]))
+        if self.values is not None and (len(self.values) != self.num_nodes or not all(0.0 <= v <= 1.0 for v in self.values)):
+            raise DraftTreeError(f"a draft tree's values must be one probability in [0, 1] per node ({self.num_nodes}), got "
+                                 f"{list(self.values)}: the drafter built a bad tree")
         if any(not -1 <= p < i for i, p in enumerate(self.parent_ids)):
             raise DraftTreeError(f"a draft tree's parents must satisfy -1 <= parents[i] < i (a node after its parent, "
                                  f"-1 for a child of the root), got {list(self.parent_ids)}: the drafter built a bad tree")
@@ -75,20 +81,21 @@ class DraftTree:
         return tuple(self.parents.tolist())
 
     @classmethod
-    def from_lists(cls, tokens: Sequence[int], parents: Sequence[int]) -> "DraftTree":
-        """A tree from host sequences of ints (tokens and parents as in the class docstring)."""
+    def from_lists(cls, tokens: Sequence[int], parents: Sequence[int], values: Sequence[float] | None = None) -> "DraftTree":
+        """A tree from host sequences of ints (tokens and parents as in the class docstring), and
+        optionally each node's value."""
         tokens, parents = tuple(int(t) for t in tokens), tuple(int(p) for p in parents)
         return cls(torch.tensor(tokens, dtype=torch.long, device=HOST), torch.tensor(parents, dtype=torch.long, device=HOST),
-                   (tokens, parents))
+                   (tokens, parents), None if values is None else tuple(float(v) for v in values))
 
     @classmethod
     def empty(cls) -> "DraftTree":
         return cls.from_lists((), ())
 
     @classmethod
-    def chain(cls, tokens: Sequence[int]) -> "DraftTree":
+    def chain(cls, tokens: Sequence[int], values: Sequence[float] | None = None) -> "DraftTree":
         """A single path: each token is the child of the previous one."""
-        return cls.from_lists(tokens, range(-1, len(tokens) - 1))
+        return cls.from_lists(tokens, range(-1, len(tokens) - 1), values)
 
     @classmethod
     def from_paths(cls, paths: Sequence[Sequence[int]]) -> "DraftTree":
@@ -141,9 +148,16 @@ class DraftTree:
         idx = [i for i, d in enumerate(self.depths()) if d <= max_depth][:max_nodes]
         if len(idx) == n:
             return self
-        remap = {old: new for new, old in enumerate(idx)}
+        return self.subtree(idx)
+
+    def subtree(self, keep: Sequence[int]) -> "DraftTree":
+        """The nodes ``keep`` (ascending indices, each node's parent kept with it), renumbered, values kept."""
+        remap = {old: new for new, old in enumerate(keep)}
         parents = self.parent_ids
-        return DraftTree.from_lists([self.token_ids[i] for i in idx], [remap[parents[i]] if parents[i] >= 0 else -1 for i in idx])
+        if any(parents[i] >= 0 and parents[i] not in remap for i in keep):
+            raise DraftTreeError(f"subtree {list(keep)} drops a parent of a kept node: not a tree")
+        return DraftTree.from_lists([self.token_ids[i] for i in keep], [remap[parents[i]] if parents[i] >= 0 else -1 for i in keep],
+                                    None if self.values is None else [self.values[i] for i in keep])
 
 
 @dataclass(frozen=True)

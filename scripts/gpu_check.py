@@ -240,10 +240,9 @@ class Check:
             entry["gpu"] = _gpu(self.device)
             entry["bf16_supported"] = torch.cuda.is_bf16_supported()
         else:
-            from selfdraft.inference.bench.run import _cpu_name
-            from selfdraft.machine import cpu_flags
+            from selfdraft.machine import cpu_flags, cpu_name
 
-            entry.update(cpu=_cpu_name(), cpu_flags=cpu_flags(), threads=torch.get_num_threads())
+            entry.update(cpu=cpu_name(), cpu_flags=cpu_flags(), threads=torch.get_num_threads())
         log(json.dumps(entry))
 
     def drafters(self, target, which: set[str] | None = None) -> dict:
@@ -311,7 +310,8 @@ class Check:
         torch = self.torch
         target = self.target("smollm2", torch.float32)
         n_new = 24 if self.tiny else 64
-        prompts = self.prompts("mt_bench", 2, target.tokenizer) + self.prompts("humaneval", 2, target.tokenizer)
+        per_task = 1 if self.tiny else 2
+        prompts = self.prompts("mt_bench", per_task, target.tokenizer) + self.prompts("humaneval", per_task, target.tokenizer)
         references = []
         for ids in prompts:
             x = torch.tensor([ids], device=self.device)
@@ -600,7 +600,7 @@ class Check:
         n = text.num_hidden_layers
         rows = {}
         for kind in ("dflash", "dspark"):
-            for block, layers in ((8, 1), (16, 1), (8, 5), (16, 5)):
+            for block, layers in ((8, 1), (16, 1), (8, 5), (16, 5)) if not self.tiny else ((4, 1),):
                 torch.manual_seed(5)
                 dims = (DSparkDims if kind == "dspark" else DFlashDims).shaped_like(
                     text, block_size=block, num_layers=layers, draft_vocab_size=32000, mask_token_id=text.vocab_size - 1,

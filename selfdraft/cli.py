@@ -63,6 +63,9 @@ def _add_generate(sub) -> None:
     g.add_argument("--max-nodes", type=_positive_int, default=None,
                    help="the node budget: draft tokens verified per step (a Medusa folder rebuilds its sparse tree for it "
                    "from its stored accuracies; prompt lookup: default %d)" % PromptLookupConfig.max_nodes)
+    g.add_argument("--schedule", choices=("confidence", "off"), default="confidence",
+                   help="confidence (default): verify only the part of a DFlash/DSpark block that pays on this machine, by "
+                   "the drafter's confidence and the target's verify cost measured here (cached); off: verify every draft")
     p.set_defaults(func=_run_generate)
 
 
@@ -89,6 +92,7 @@ def _run_generate(args) -> int:
         seed=args.seed,
         acceptance="typical" if args.typical_acceptance else "exact",
         tree=tree or None,
+        schedule=args.schedule,
         prompt_lookup=PromptLookupConfig(
             max_ngram=args.lookup_max_ngram,
             min_ngram=1,

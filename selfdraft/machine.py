@@ -8,7 +8,9 @@ bf16 autocast on a CPU only where :func:`cpu_has_bf16` is true.
 
 from __future__ import annotations
 
+import os
 import pathlib
+import platform
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
@@ -23,6 +25,26 @@ def cpu_flags() -> list[str]:
     except OSError:
         pass
     return []
+
+
+def cpu_name() -> str:
+    """The processor's model name (from /proc/cpuinfo; ``platform.processor()`` where it cannot be read)."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def describe(device: str = "cpu") -> dict:
+    """What a measured speed depends on: processor (or GPU), its flags, cores, torch's threads."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else None
+    return {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+            "gpu": gpu, "torch": torch.__version__}
 
 
 def cpu_has_bf16() -> bool:

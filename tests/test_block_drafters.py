@@ -78,14 +78,20 @@ def test_labels_and_teacher_rows_line_up_with_the_targets_features(kind, tiny_ta
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_trained_block_drafter_decodes_exactly(kind, tiny_target, tmp_path):
     """Through the one loop (with an interruption and a resume that continues bit for bit), then
-    native export; greedy output equals the target's generate(), token for token."""
+    native export; greedy output equals the target's generate(), token for token, whole blocks verified
+    and blocks cut by a confidence schedule."""
     import json
 
     from safetensors.torch import load_file
 
     from selfdraft.heads.io import load_drafter
     from selfdraft.heads.target import load_target
+    from selfdraft.configs.decode import DecodeConfig
     from selfdraft.inference.api import generate
+    from selfdraft.inference.decode import speculative_decode
+    from selfdraft.inference.schedule import VerifyCost, VerifySchedule
+    from selfdraft.inference.session import CausalLMSession
+    from selfdraft.inference.specs import make_drafter
     from selfdraft.train.loop import train
 
     result = train(block_config(tiny_target, tmp_path / "run", kind))
@@ -109,9 +115,32 @@ def test_a_trained_block_drafter_decodes_exactly(kind, tiny_target, tmp_path):
     ids = target.tokenizer("The quick brown fox", add_special_tokens=True)["input_ids"]
     reference = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                       do_sample=False, max_new_tokens=32, pad_token_id=0)[0, len(ids):].tolist()
-    out = generate(target, input_ids=ids, drafter=str(result.drafter_dir), max_new_tokens=32, stop_on_eos=False)
+    out = generate(target, input_ids=ids, drafter=str(result.drafter_dir), max_new_tokens=32, stop_on_eos=False,
+                   schedule="off")
     assert out.token_ids == reference and out.drafter == kind
     assert out.draft_nodes_per_step == pytest.approx(dims.drafts_per_block, abs=1.0)
+
+    # Confidence-scheduled: cut at lengths that vary with the drafter's confidence, exact all the same.
+    drafter = make_drafter(str(result.drafter_dir), target)
+    assert drafter.valued_nodes == dims.drafts_per_block
+    verified = set()
+    for per_token in (0.0, 0.00005, 0.0005, 0.005):
+        trees = []
+
+        class Recording(VerifySchedule):
+            def cut(self, tree):
+                kept = super().cut(tree)
+                trees.append(kept.num_nodes)
+                return kept
+
+        cost = VerifyCost(tuple(0.01 + per_token * m for m in range(1, 9)), "t", "float32", "cpu", 256, {})
+        session = CausalLMSession(target.model, hidden_layers=drafter.hidden_layers)
+        scheduled = speculative_decode(session, ids, drafter, DecodeConfig(max_new_tokens=32, stop_on_eos=False),
+                                       schedule=Recording(cost))
+        assert scheduled.token_ids == reference, f"scheduled at {per_token} s per token: not the target's output"
+        assert scheduled.stats.draft_nodes == sum(trees) <= scheduled.stats.proposed_nodes
+        verified.update(trees)
+    assert len(verified) >= 2, f"the schedule never varied the verified length ({verified}): the check proves little"
 
 
 @pytest.mark.parametrize("kind", KINDS)

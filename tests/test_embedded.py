@@ -30,7 +30,7 @@ def reference(target, ids):
 
 def test_every_drafter_is_token_identical(embedded_fp32, truncated_smollm2):
     target = embedded_fp32
-    prompts = [mt_bench_prompts()[i] for i in (0, 25, 40)] + humaneval_prompts()[:2]
+    prompts = [mt_bench_prompts()[i] for i in (0, 25)] + humaneval_prompts()[:1]  # writing, reasoning, code
     drafters = {
         "none": NoDrafter(),
         "prompt-lookup": PromptLookupDrafter(),

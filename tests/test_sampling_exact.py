@@ -262,13 +262,14 @@ class Samples:
     accepted: Counter  # depth d -> runs x steps that accepted a draft token at depth d
 
 
-def sample_counts(make_session, drafter, sampling: Sampling, n: int, *, rule=sample_verify, seed0=0) -> Samples:
-    """The continuations of ``n`` independent runs of the decoding loop (seeds seed0 .. seed0 + n - 1)."""
+def sample_counts(make_session, drafter, sampling: Sampling, n: int, *, rule=sample_verify, seed0=0, schedule=None) -> Samples:
+    """The continuations of ``n`` independent runs of the decoding loop (seeds seed0 .. seed0 + n - 1),
+    its trees cut by ``schedule`` if given."""
     samples = Samples(np.zeros(VOCAB**NEW_TOKENS, dtype=np.int64), Counter(), Counter())
     for i in range(n):
         config = DecodeConfig(max_new_tokens=NEW_TOKENS, temperature=sampling.temperature, top_k=sampling.top_k,
                               top_p=sampling.top_p, seed=seed0 + i, stop_on_eos=False)
-        out = speculative_decode(make_session(), PROMPT, drafter, config, sample_rule=rule)
+        out = speculative_decode(make_session(), PROMPT, drafter, config, sample_rule=rule, schedule=schedule)
         assert len(out.token_ids) == NEW_TOKENS, out
         samples.counts[np.ravel_multi_index(tuple(out.token_ids), (VOCAB,) * NEW_TOKENS)] += 1
         samples.drafted.update(out.stats.depth_drafted)
@@ -502,7 +503,9 @@ def test_block_drafter_session_has_target_distribution(kind, target_model, targe
     """A DFlash / DSpark drafter proposing a block of 3 from one forward, through CausalLMSession: its
     drafts are a deterministic chain given the state, and the sampled continuations keep the target's
     law (the rule is the one every drafter's chain goes through, which the biased-rule tests above
-    show this harness rejects when wrong)."""
+    show this harness rejects when wrong). DSpark's blocks are cut by a confidence schedule (its
+    confidence head's values against a verify cost that grows with the draft): which prefix is
+    verified depends on the drafter's state only, so the law is kept."""
     from selfdraft.configs.decode import TreeConfig
     from selfdraft.configs.run import load_run_config
     from selfdraft.heads.kinds.block.decode import BlockDrafter
@@ -534,9 +537,29 @@ def test_block_drafter_session_has_target_distribution(kind, target_model, targe
     sampling, n = Sampling(1.0), 4_000
     probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
+    schedule = None
+    if kind == "dspark":
+        from selfdraft.inference.schedule import VerifyCost, VerifySchedule
+
+        class Counting(VerifySchedule):
+            kept = Counter()
+
+            def cut(self, tree):
+                out = super().cut(tree)
+                self.kept[(tree.num_nodes, out.num_nodes)] += 1
+                return out
+
+        schedule = Counting(VerifyCost(tuple(0.01 + 0.008 * m for m in range(1, 6)), "t", "float32", "cpu", 8, {}))
     samples = sample_counts(lambda: CausalLMSession(target_model, hidden_layers=drafter.hidden_layers), drafter, sampling, n,
-                            seed0=2 * 10**6)
+                            seed0=2 * 10**6, schedule=schedule)
     pvalue, tv = _check(law, f"CausalLMSession {kind} {sampling}", samples, probs, time.perf_counter() - start)
     assert pvalue > ALPHA, f"{kind}, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
     assert samples.accepted[1] > 0.05 * n and samples.drafted[1] - samples.accepted[1] > 0.05 * n, \
         f"{kind}: depth 1 accepted {samples.accepted[1]} of {samples.drafted[1]} drafts in {n} runs: the test proves little"
+    if schedule is not None:
+        steps = sum(schedule.kept.values())
+        cut = sum(count for (before, after), count in schedule.kept.items() if after < before)
+        lengths = {after for (_, after) in schedule.kept}
+        print(f"   schedule: (proposed, verified) -> steps {dict(schedule.kept)}")
+        assert 0.1 * steps < cut < 0.9 * steps and len(lengths) >= 2, \
+            f"the schedule cut {cut} of {steps} blocks, to lengths {sorted(lengths)}: the test proves little about cut blocks"

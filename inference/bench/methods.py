@@ -27,6 +27,12 @@ def _share(text: str) -> float:
     return value
 
 
+def _verify_schedule(text: str) -> str:
+    if text not in ("confidence", "off"):
+        raise ValueError("must be confidence or off")
+    return text
+
+
 def _schedule(text: str) -> str:
     if text not in ("constant", "heuristic", "heuristic_transient"):
         raise ValueError("must be constant, heuristic or heuristic_transient")
@@ -159,11 +165,15 @@ def _folder_method(path: str) -> Method | None:
     if kind is None:
         return None
     options = {k: v for k, v in _TREE_OPTIONS.items() if k in get_kind(kind).tree_options}
+    options["schedule"] = (_verify_schedule, "confidence (default): verify only the part of a block drafter's block "
+                           "that pays here; off: every draft (a no-op for drafters whose trees carry no confidences)")
 
     def build(target, argument, options):
         from selfdraft.inference.specs import make_drafter
 
-        return LoopRunner(target, make_drafter(path, target, tree=dict(options) or None))
+        options = dict(options)
+        schedule = options.pop("schedule", "confidence")
+        return LoopRunner(target, make_drafter(path, target, tree=options or None), schedule)
 
     return Method(f"{kind} drafter folder", build, f"our loop with the {kind} drafter in {path}", options)
 

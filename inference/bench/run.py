@@ -18,7 +18,7 @@ import torch
 
 from selfdraft.configs.decode import DecodeConfig
 from selfdraft.errors import SelfdraftError
-from selfdraft.machine import cpu_flags
+from selfdraft.machine import cpu_flags, cpu_name
 from selfdraft.inference.bench.common import BASELINE
 from selfdraft.inference.bench.journal import JOURNAL, Journal, _ids_digest, _settings
 from selfdraft.inference.bench.methods import MethodChoice, parse_method, split_methods
@@ -82,16 +82,6 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
 def prompt_seed(seed: int, prompt_id: str) -> int:
     """The seed every method uses for one prompt (stable whatever --limit selects)."""
     return (seed + zlib.crc32(prompt_id.encode("utf-8"))) % 2**31
-
-
-def _cpu_name() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _gpu(device: torch.device) -> dict | None:
@@ -326,7 +316,7 @@ def _meta(target, choices, tasks, temps, max_new_tokens, limit, seed, command) -
         "transformers": transformers.__version__,
         "selfdraft": __version__,
         "python": platform.python_version(),
-        "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpu": _cpu_name(),
+        "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpu": cpu_name(),
                     "cpu_flags": cpu_flags(), "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "gpu_details": _gpu(dev)},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

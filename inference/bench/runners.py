@@ -49,8 +49,11 @@ Runner = Callable[[list[int], float, "int | None", int], Generation]
 class LoopRunner:
     """Our decoding loop (the one behind :func:`selfdraft.generate`) with one drafter."""
 
-    def __init__(self, target, drafter):
+    def __init__(self, target, drafter, schedule: str = "confidence"):
+        from selfdraft.inference.schedule import schedule_for
+
         self.target, self.drafter = target, drafter
+        self.schedule = schedule_for(target, drafter, schedule)
 
     def __call__(self, ids: list[int], temperature: float, seed: int | None, max_new_tokens: int) -> Generation:
         from selfdraft.inference.decode import speculative_decode
@@ -59,7 +62,7 @@ class LoopRunner:
         config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         session = CausalLMSession(self.target.model, hidden_layers=self.drafter.hidden_layers)
         out = speculative_decode(session, ids, self.drafter, config, eos_token_ids=self.target.eos_token_ids,
-                                 max_context=self.target.max_context)
+                                 max_context=self.target.max_context, schedule=self.schedule)
         s = out.stats
         return Generation(out.token_ids, s.target_forwards, dict(s.accept_histogram), dict(s.depth_drafted),
                           dict(s.depth_accepted), s.draft_seconds, draft_nodes=s.draft_nodes)

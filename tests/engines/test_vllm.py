@@ -117,6 +117,20 @@ def chain_drafter(kind, folder, target):
     return make_drafter(str(folder), target, tree=TreeConfig(depth=DEPTH, top_k=1, max_nodes=DEPTH))
 
 
+@pytest.fixture(scope="module")
+def our_counts(embedded_fp32, trained_smollm2, prompts):
+    """kind -> :func:`ours` with the chain of that kind's trained drafter, decoded once per kind and shared
+    by the tests that compare vLLM with it."""
+    done = {}
+
+    def counts(kind):
+        if kind not in done:
+            done[kind] = ours(embedded_fp32, chain_drafter(kind, trained_smollm2[kind], embedded_fp32), prompts)
+        return done[kind]
+
+    return counts
+
+
 def compare(engine, mine, plain_tokens):
     """Per prompt: does vLLM's speculative output equal its plain output, and do its counters equal ours?"""
     rows = []
@@ -128,12 +142,12 @@ def compare(engine, mine, plain_tokens):
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "dflash"])
-def test_vllm_drafts_what_we_trained(kind, embedded_fp32, trained_smollm2, target_path, prompts, plain, tmp_path):
+def test_vllm_drafts_what_we_trained(kind, trained_smollm2, our_counts, target_path, prompts, plain, tmp_path):
     from selfdraft.inference.vllm_engine import run_vllm, speculative_config
     from selfdraft.train.export import export
 
     folder, _ = export(trained_smollm2[kind], "vllm", tmp_path / kind)
-    mine = ours(embedded_fp32, chain_drafter(kind, trained_smollm2[kind], embedded_fp32), prompts)
+    mine = our_counts(kind)
     engine = run_vllm(target_path, prompts, NEW_TOKENS, speculative=speculative_config(folder, DEPTH), in_process=True)
     plain_tokens = [r["token_ids"] for r in plain["results"]]
     rows = compare(engine, mine, plain_tokens)
@@ -150,7 +164,7 @@ def test_vllm_drafts_what_we_trained(kind, embedded_fp32, trained_smollm2, targe
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
-def test_vllm_serves_a_speculators_folder_by_itself(kind, embedded_fp32, trained_smollm2, prompts, plain, tmp_path):
+def test_vllm_serves_a_speculators_folder_by_itself(kind, trained_smollm2, our_counts, prompts, plain, tmp_path):
     """``--format speculators``: vLLM is given the folder alone (as ``vllm serve FOLDER``), finds the
     target and the method in it, and drafts what we trained (same counters as our loop)."""
     from selfdraft.inference.vllm_engine import run_vllm
@@ -161,7 +175,7 @@ def test_vllm_serves_a_speculators_folder_by_itself(kind, embedded_fp32, trained
     assert config["speculators_model_type"] == kind
     config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = DEPTH
     (folder / "config.json").write_text(json.dumps(config))
-    mine = ours(embedded_fp32, chain_drafter(kind, trained_smollm2[kind], embedded_fp32), prompts)
+    mine = our_counts(kind)
     engine = run_vllm(folder, prompts, NEW_TOKENS, in_process=True)  # no speculative config: the folder says it all
     rows = compare(engine, mine, [r["token_ids"] for r in plain["results"]])
     report = json.dumps(rows, indent=1)
@@ -174,7 +188,7 @@ def test_vllm_serves_a_speculators_folder_by_itself(kind, embedded_fp32, trained
 
 
 @pytest.mark.parametrize("kind", ["eagle3"])
-def test_a_broken_export_fails_the_comparison(kind, embedded_fp32, trained_smollm2, target_path, prompts, plain, tmp_path):
+def test_a_broken_export_fails_the_comparison(kind, trained_smollm2, our_counts, target_path, prompts, plain, tmp_path):
     """The same export with the fused layers shifted by one (the old SGLang-id bug; for DFlash, z-lab's
     "output of layer i" ids read as hidden_states indices): vLLM still decodes the right text (the
     target verifies), but its drafts are not ours."""
@@ -188,7 +202,7 @@ def test_a_broken_export_fails_the_comparison(kind, embedded_fp32, trained_smoll
     else:
         config["dflash_config"]["target_layer_ids"] = [i + 1 for i in config["dflash_config"]["target_layer_ids"]]
     (folder / "config.json").write_text(json.dumps(config))
-    mine = ours(embedded_fp32, chain_drafter(kind, trained_smollm2[kind], embedded_fp32), prompts)
+    mine = our_counts(kind)
     engine = run_vllm(target_path, prompts, NEW_TOKENS, speculative=speculative_config(folder, DEPTH), in_process=True)
     rows = compare(engine, mine, [r["token_ids"] for r in plain["results"]])
     assert all(row["identical_to_plain"] for row in rows)  # the target still verifies every token

@@ -9,8 +9,13 @@ from one forward (argmax per slot); DSpark adds its Markov bias left to right, t
 being the anchor, then each drafted token in turn. Drafts are deterministic given the state, so the
 decoder's verification keeps the target's output exact, greedy or sampled.
 
-Devices: the drafter is a copy on the target's device and dtype; the block's tokens reach the host in
-one copy per proposal.
+Each drafted token carries a value (the tree's ``values``): the chance that the target accepts the
+path to it, the product along the block of DSpark's confidence head (or, without one, of the
+drafter's probability of each token it drafted), by which confidence-scheduled verification
+(inference/schedule.py) verifies only the prefix of the block that pays.
+
+Devices: the drafter is a copy on the target's device and dtype; the block's tokens and values reach
+the host in one copy per proposal.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ class BlockDrafter(Drafter):
                                  f"has {text.num_hidden_layers}")
         self.drafter = on_target(drafter, target_model, f"the {kind} drafter").eval()
         self.name = kind
-        self.drafts = min(tree.depth, drafter.dims.drafts_per_block)
+        self.drafts = self.valued_nodes = min(tree.depth, drafter.dims.drafts_per_block)
         self.embed = target_model.get_input_embeddings()
         self.lm_head = target_model.get_output_embeddings()
         self.hidden_layers = self.drafter.target_layers(text.num_hidden_layers)
@@ -91,23 +96,32 @@ class BlockDrafter(Drafter):
         positions = (state.length + self.slots)[None, None]
         context = [(k[None], v[None]) for k, v in state.context]
         out = self.drafter(embeds, positions, context)[0, 0, self.first:self.first + self.drafts]  # (K, H)
-        tokens = self._draft(out, anchor)
-        return DraftTree.chain(tokens.tolist()), state
+        tokens, accept = self._draft(out, anchor)
+        values = accept.float().cumprod(0)  # the chance that the path to each drafted token is accepted
+        host = torch.stack([tokens.to(values.dtype), values]).cpu()  # one copy to the host per proposal
+        return DraftTree.chain(host[0].long().tolist(), host[1].clamp(0, 1).tolist()), state
 
-    def _draft(self, out: torch.Tensor, anchor: int) -> torch.Tensor:
-        """(K, H) slot outputs -> (K,) target ids: each slot's argmax (DSpark: with the Markov bias of
-        the token before it, left to right)."""
+    def _draft(self, out: torch.Tensor, anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, H) slot outputs -> ((K,) target ids, (K,) each token's estimated acceptance chance given
+        the ones before it). Each slot's argmax (DSpark: with the Markov bias of the token before it,
+        left to right). The chance: DSpark's confidence head where it has one, else the drafter's own
+        probability of the token it drafted."""
         logits = self.drafter.head(self.lm_head)(out)[:, : self.drafter.draft_vocab_size].float()  # (K, V')
         if self.drafter.markov_head is None:
-            ids = logits.argmax(-1)
-            return ids if self.draft_ids is None else self.draft_ids[ids]
-        previous = torch.tensor(anchor, dtype=torch.long, device=self.device)
-        drafted = []
+            probs, ids = logits.softmax(-1).max(-1)
+            return (ids if self.draft_ids is None else self.draft_ids[ids]), probs
+        previous = torch.tensor([anchor], dtype=torch.long, device=self.device)  # (1,): stays on the device
+        before, drafted, probs = [], [], []
         for j in range(len(logits)):
-            pick = (logits[j] + self.drafter.markov_bias(previous).float()).argmax()
-            previous = pick if self.draft_ids is None else self.draft_ids[pick]
+            before.append(previous)
+            p, pick = (logits[j:j + 1] + self.drafter.markov_bias(previous).float()).softmax(-1).max(-1)
+            previous = pick if self.draft_ids is None else self.draft_ids.index_select(0, pick)
             drafted.append(previous)
-        return torch.stack(drafted)
+            probs.append(p)
+        ids = torch.cat(drafted)
+        if self.drafter.confidence_head is None:
+            return ids, torch.cat(probs)
+        return ids, torch.sigmoid(self.drafter.confidence(out, torch.cat(before)))
 
     def observe(self, state: BlockState, verified: Verified) -> BlockState:
         with torch.inference_mode():
