@@ -311,9 +311,16 @@ def quickstart(qc: QuickstartConfig) -> dict:
     else:
         from selfdraft.train.export import export
 
+        from selfdraft.heads.io import read_record
+        from selfdraft.heads.kinds import get_kind
+
         acceptance = measured_acceptance(results, str(drafter))
+        kind = get_kind(read_record(drafter).kind)
         folders = {}
         for fmt in EXPORT_FORMATS:  # each folder has a README.md with the command that serves it
+            if fmt not in {w.format for w in kind.writers}:
+                _say(f"export: {kind.title} drafters have no {fmt} layout (README's engine table says why); skipped")
+                continue
             folder, message = export(drafter, fmt, out / f"export-{fmt}", acceptance=acceptance)
             folders[fmt] = str(folder)
             _say(f"export: {message}")

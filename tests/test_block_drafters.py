@@ -165,7 +165,8 @@ def test_block_drafts_that_the_target_would_make_are_all_accepted(kind, tiny_tar
         sequence = oracle.sequence
         more = target.model.generate(torch.tensor([sequence]), attention_mask=torch.ones(1, len(sequence), dtype=torch.long),
                                      do_sample=False, max_new_tokens=len(out), pad_token_id=0)
-        return more[0, len(sequence):]
+        drafts = more[0, len(sequence):]
+        return drafts, torch.ones(len(drafts))  # certain of each: a schedule would verify them all
 
     propose = drafter.propose
 
