@@ -556,7 +556,6 @@ class Check:
         from selfdraft.configs.decode import TreeConfig
         from selfdraft.heads.kinds.eagle import new_drafter
         from selfdraft.heads.kinds.eagle.decode import EagleTreeDrafter
-        from selfdraft.inference.session import CausalLMSession
 
         torch = self.torch
         model = target.model
@@ -572,17 +571,8 @@ class Check:
         rows = {}
         for depth in range(1, 9):
             drafter = EagleTreeDrafter(module, model, TreeConfig(depth=depth, top_k=10, max_nodes=60))
-            session = CausalLMSession(model, hidden_layers=drafter.hidden_layers)
-            state = drafter.start(ids, session.prefill(ids))
-            samples = []
-            for rep in range(reps + 2):
-                start = self.clock()
-                tree, state = drafter.propose(state, sequence)
-                elapsed = self.clock() - start
-                if rep >= 2:
-                    samples.append(elapsed)
-            rows[str(depth)] = {"ms": round(statistics.median(samples) * 1e3, 3), "nodes": tree.num_nodes}
-            log(f"   EAGLE-3 depth {depth}: {rows[str(depth)]['ms']:8.3f} ms per proposal ({tree.num_nodes} nodes)")
+            rows[str(depth)] = self.propose_cost(drafter, model, ids, sequence, reps)
+            log(f"   EAGLE-3 depth {depth}: {rows[str(depth)]['ms']:8.3f} ms per proposal ({rows[str(depth)]['nodes']} nodes)")
         entry["eagle3_propose"] = rows
         entry["context"] = ctx
         entry["block_propose"] = self.block_cost(model, ids, sequence, reps)
@@ -593,7 +583,6 @@ class Check:
         from selfdraft.configs.decode import TreeConfig
         from selfdraft.heads.kinds.block.decode import BlockDrafter
         from selfdraft.heads.kinds.block.module import BlockHead, DFlashDims, DSparkDims
-        from selfdraft.inference.session import CausalLMSession
 
         torch = self.torch
         text = model.config.get_text_config()
@@ -608,19 +597,26 @@ class Check:
                 module = BlockHead(dims).to(device=self.device, dtype=model.dtype)
                 module.set_vocab_map(torch.randperm(text.vocab_size)[:32000].sort().values)
                 drafter = BlockDrafter(module, model, TreeConfig(depth=dims.drafts_per_block, top_k=1, max_nodes=block))
-                session = CausalLMSession(model, hidden_layers=drafter.hidden_layers)
-                state = drafter.start(ids, session.prefill(ids))
-                samples = []
-                for rep in range(reps + 2):
-                    start = self.clock()
-                    tree, state = drafter.propose(state, sequence)
-                    if rep >= 2:
-                        samples.append(self.clock() - start)
                 key = f"{kind} block {block} layers {layers}"
-                rows[key] = {"ms": round(statistics.median(samples) * 1e3, 3), "nodes": tree.num_nodes}
-                log(f"   {key}: {rows[key]['ms']:8.3f} ms per proposal ({tree.num_nodes} nodes)")
-                del drafter, module, session, state
+                rows[key] = self.propose_cost(drafter, model, ids, sequence, reps)
+                log(f"   {key}: {rows[key]['ms']:8.3f} ms per proposal ({rows[key]['nodes']} nodes)")
+                del drafter, module
         return rows
+
+    def propose_cost(self, drafter, model, ids: list[int], sequence: list[int], reps: int) -> dict:
+        """{ms: the median of ``reps`` timed proposals after two warm-ups, nodes: the tree's size} of a drafter
+        started on the target's prefill of ``ids``."""
+        from selfdraft.inference.session import CausalLMSession
+
+        session = CausalLMSession(model, hidden_layers=drafter.hidden_layers)
+        state = drafter.start(ids, session.prefill(ids))
+        samples = []
+        for rep in range(reps + 2):
+            start = self.clock()
+            tree, state = drafter.propose(state, sequence)
+            if rep >= 2:
+                samples.append(self.clock() - start)
+        return {"ms": round(statistics.median(samples) * 1e3, 3), "nodes": tree.num_nodes}
 
     def bench(self, entry: dict) -> None:
         """``selfdraft bench`` on the device, fp32, with a random EAGLE-3 drafter folder: exactness and the
