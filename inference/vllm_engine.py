@@ -60,6 +60,17 @@ def speculative_config(folder: str | os.PathLike, num_speculative_tokens: int | 
     return {"method": serving["method"], "model": str(folder), "num_speculative_tokens": int(num_speculative_tokens)}
 
 
+def vllm_request(target: str | os.PathLike, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 speculative: dict[str, Any] | None = None, temperatures: Sequence[float] | None = None,
+                 seeds: Sequence[int | None] | None = None, dtype: str = "float32", max_model_len: int = 2048,
+                 warmup: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
+    """What one engine of :func:`run_vllm` / :func:`run_vllm_engines` decodes (the worker's request)."""
+    return {"target": str(target), "speculative_config": speculative, "prompts": [list(map(int, p)) for p in prompts],
+            "max_new_tokens": int(max_new_tokens), "dtype": dtype, "max_model_len": int(max_model_len),
+            "temperatures": list(temperatures) if temperatures is not None else None,
+            "seeds": list(seeds) if seeds is not None else None, "warmup": [list(map(int, p)) for p in warmup]}
+
+
 def run_vllm(target: str | os.PathLike, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              speculative: dict[str, Any] | None = None, temperatures: Sequence[float] | None = None,
              seeds: Sequence[int | None] | None = None, dtype: str = "float32", max_model_len: int = 2048,
@@ -75,14 +86,27 @@ def run_vllm(target: str | os.PathLike, prompts: Sequence[Sequence[int]], max_ne
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor) instead of the two processes ``vllm
     serve`` starts: the same model code and kernels with two fewer imports of torch and vLLM, for checks of
     what vLLM decodes; timings that stand for serving keep the default."""
+    request = vllm_request(target, prompts, max_new_tokens, speculative=speculative, temperatures=temperatures,
+                           seeds=seeds, dtype=dtype, max_model_len=max_model_len, warmup=warmup)
+    request["executor"] = "uni" if in_process else None
+    return _run_worker(request, in_process, timeout, log)
+
+
+def run_vllm_engines(requests: Sequence[dict[str, Any]], *, timeout: float = 3600,
+                     log: str | os.PathLike | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """Several engines (each a :func:`vllm_request`), one after another in one process (in-process, as
+    ``run_vllm(in_process=True)``): vLLM is imported once instead of once per engine. Returns vLLM's
+    version and, per request, its result (as :func:`run_vllm`'s) or ``{"error": traceback}`` where that
+    engine failed; the later engines still run."""
+    runs = [{**r, "executor": "uni"} for r in requests]
+    out = _run_worker({"runs": runs}, True, timeout, log)
+    return out["vllm_version"], out["runs"]
+
+
+def _run_worker(request: dict[str, Any], in_process: bool, timeout: float, log: str | os.PathLike | None) -> dict[str, Any]:
     python = vllm_python()
     if python is None or not python.is_file():
         raise SelfdraftError(f"vLLM's venv is missing ({python or '.venv-vllm'}): {SETUP_HINT}")
-    request = {"target": str(target), "speculative_config": speculative, "prompts": [list(map(int, p)) for p in prompts],
-               "max_new_tokens": int(max_new_tokens), "dtype": dtype, "max_model_len": int(max_model_len),
-               "temperatures": list(temperatures) if temperatures is not None else None,
-               "seeds": list(seeds) if seeds is not None else None, "warmup": [list(map(int, p)) for p in warmup],
-               "executor": "uni" if in_process else None}
     env = dict(os.environ)
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -11,6 +11,10 @@ plain decoding), ``prompts`` (lists of token ids), ``max_new_tokens``, ``dtype``
 greedily, and not reported), ``executor`` (vLLM's ``distributed_executor_backend``, or null: its default;
 ``uni`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in the environment runs the engine in this process).
 
+``runs`` (a list of such requests) instead decodes with one engine after another in this process
+(``executor: uni``), importing vLLM once; the result's ``runs`` then holds each one's result, or its
+``error`` (the traceback) where that engine failed.
+
 The result (JSON): ``vllm_version``; per prompt ``token_ids`` (new tokens), ``seconds`` (wall time
 of its ``generate`` call), and the differences of vLLM's counters around that call: ``drafts``
 (verification steps that carried draft tokens), ``draft_tokens``, ``accepted_tokens`` and
@@ -59,12 +63,11 @@ def difference(after: dict, before: dict) -> dict:
     return out
 
 
-def main(request_path: str, result_path: str) -> None:
-    import vllm
+def decode(request: dict) -> dict:
+    """One engine: build it from ``request``, decode its prompts, report per prompt."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    request = json.loads(open(request_path, encoding="utf-8").read())
     kwargs = dict(model=request["target"], dtype=request.get("dtype", "float32"),
                   max_model_len=request.get("max_model_len", 1024), enforce_eager=True,
                   disable_log_stats=False, seed=0, trust_remote_code=False)
@@ -73,24 +76,59 @@ def main(request_path: str, result_path: str) -> None:
     if request.get("speculative_config"):
         kwargs["speculative_config"] = request["speculative_config"]
     llm = LLM(**kwargs)
-    prompts = request["prompts"]
-    temperatures = request.get("temperatures") or [0.0] * len(prompts)
-    seeds = request.get("seeds") or [None] * len(prompts)
-    max_tokens = int(request["max_new_tokens"])
-    for ids in request.get("warmup") or []:
-        llm.generate([TokensPrompt(prompt_token_ids=list(ids))], SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                     use_tqdm=False)
-    results = []
-    for ids, temperature, seed in zip(prompts, temperatures, seeds):
-        params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), seed=seed)
-        before = read_counters(llm)
-        start = time.perf_counter()
-        (output,) = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        counts = difference(read_counters(llm), before)
-        results.append({"token_ids": list(output.outputs[0].token_ids), "seconds": seconds, **counts})
+    try:
+        prompts = request["prompts"]
+        temperatures = request.get("temperatures") or [0.0] * len(prompts)
+        seeds = request.get("seeds") or [None] * len(prompts)
+        max_tokens = int(request["max_new_tokens"])
+        for ids in request.get("warmup") or []:
+            llm.generate([TokensPrompt(prompt_token_ids=list(ids))], SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                         use_tqdm=False)
+        results = []
+        for ids, temperature, seed in zip(prompts, temperatures, seeds):
+            params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), seed=seed)
+            before = read_counters(llm)
+            start = time.perf_counter()
+            (output,) = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            counts = difference(read_counters(llm), before)
+            results.append({"token_ids": list(output.outputs[0].token_ids), "seconds": seconds, **counts})
+        return {"results": results}
+    finally:
+        del llm
+        release()
+
+
+def release() -> None:
+    """Free the engine just deleted so that the next one starts clean in this process (vLLM's own tests
+    do this between engines: ``vllm/distributed/parallel_state.py`` ``cleanup_dist_env_and_memory``, 0.32.0)."""
+    import gc
+
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def main(request_path: str, result_path: str) -> None:
+    import traceback
+
+    import vllm
+
+    request = json.loads(open(request_path, encoding="utf-8").read())
+    out = {"vllm_version": vllm.__version__}
+    if "runs" in request:  # several engines, one after another, in this process: vLLM imported once
+        out["runs"] = []
+        for run in request["runs"]:
+            try:
+                out["runs"].append(decode(run))
+            except Exception:  # reported for this engine; the next ones still run
+                traceback.print_exc()
+                out["runs"].append({"error": traceback.format_exc(limit=-8)})
+    else:
+        out.update(decode(request))
     with open(result_path, "w", encoding="utf-8") as f:
-        json.dump({"vllm_version": vllm.__version__, "results": results}, f)
+        json.dump(out, f)
 
 
 if __name__ == "__main__":  # vLLM starts its engine processes with spawn: keep the work under this guard

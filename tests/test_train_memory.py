@@ -165,6 +165,43 @@ def test_chunked_losses_equal_the_full_logits_formula(kind):
     assert float(small["head_tokens"].sum()) > 0
 
 
+def test_acceptance_overlap_is_the_targets_probability_of_accepting_a_draw():
+    """``head_losses(overlap=True)`` (DSpark's confidence target): per row, sum over the draft vocabulary of
+    min(p_target, q), with p_target the target's own probability (not renormalised on the draft
+    columns), in chunks of any size; the loss, stats and gradients are those without it."""
+    from torch import nn
+
+    from selfdraft.train.objectives import Group, Teacher, head_losses
+
+    generator = torch.Generator().manual_seed(3)
+    V, Vd, D = 50, 20, 8
+    target_head = nn.Linear(D, V, bias=False)
+    draft_head = nn.Linear(D, Vd, bias=False)
+    with torch.no_grad():
+        target_head.weight.copy_(torch.randn(V, D, generator=generator))
+        draft_head.weight.copy_(torch.randn(Vd, D, generator=generator))
+    columns = torch.randperm(V, generator=generator)[:Vd].sort().values
+    teacher = Teacher(hidden=torch.randn(9, D, generator=generator), head=target_head, columns=columns)
+    rows = [torch.tensor([0, 2, 3, 7]), torch.arange(9)]
+    hidden = [torch.randn(len(r), D, generator=generator, requires_grad=True) for r in rows]
+    for chunk in (V, 3 * V, 100 * V):  # rows split across chunks, and all at once
+        groups = [Group(h, draft_head, r, w) for h, r, w in zip(hidden, rows, (1.0, 0.5))]
+        total, table, accept = head_losses(groups, teacher, top_k=3, ranks=0, chunk_elements=chunk, overlap=True)
+        grads = torch.autograd.grad(total, hidden)
+        plain_total, plain_table = head_losses(groups, teacher, top_k=3, ranks=0, chunk_elements=chunk)
+        plain_grads = torch.autograd.grad(plain_total, hidden)
+        torch.testing.assert_close(total, plain_total)
+        torch.testing.assert_close(table, plain_table)
+        for g, want in zip(grads, plain_grads):
+            torch.testing.assert_close(g, want)
+        with torch.no_grad():
+            p = F.softmax(target_head(teacher.hidden), -1)[:, columns]  # the target's own, on the draft columns
+            for h, r, got in zip(hidden, rows, accept):
+                q = F.softmax(draft_head(h), -1)
+                torch.testing.assert_close(got, torch.minimum(p[r], q).sum(-1), rtol=1e-5, atol=1e-6)
+                assert not got.requires_grad and bool((got > 0).all() and (got < 1).all())
+
+
 # ----------------------------------------------------------------------------------------------
 # Peak memory of one training step at a 128k vocabulary
 

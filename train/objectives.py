@@ -144,23 +144,31 @@ class Teacher:
     def vocab(self) -> int:
         return 0 if self.head is None else self.head.out_features
 
-    def chunk(self, rows: slice, weight: torch.Tensor | None, bias: torch.Tensor | None):
-        """The teacher at ``rows``: (p (C, V or V') fp32, sum p log p (C,), labels (C,)) for a KL loss,
-        or (None, None, labels (C,)); ``weight``/``bias``: the LM head's, cast to the matmul dtype."""
+    def chunk(self, rows: slice, weight: torch.Tensor | None, bias: torch.Tensor | None, mass: bool = False):
+        """The teacher at ``rows``: (p (C, V or V') fp32, sum p log p (C,), labels (C,), m) for a KL
+        loss, or (None, None, labels (C,), None); ``weight``/``bias``: the LM head's, cast to the matmul
+        dtype. With ``mass``, m (C,) is the target's probability of the ``columns`` before p was
+        renormalised on them (1 without columns): p * m is the target's own probability there."""
         if self.hidden is None:
-            return None, None, self.labels[rows]
+            return None, None, self.labels[rows], None
         # The full vocabulary (C, V), in the matmul dtype: the stats need the target's argmax over all
         # of it, and the draft columns are then an index away (cheaper than a second, gathered matmul).
         logits = F.linear(self.hidden[rows].to(weight.dtype), weight, bias)
         label = logits.argmax(-1)
         if self.to_label is not None:
             label = self.to_label[label]
+        m = None
+        if mass:
+            m = torch.ones(len(logits), dtype=torch.float32, device=logits.device)
         if self.columns is not None:
+            full = logits.float().logsumexp(-1) if mass else None
             logits = logits[:, self.columns]  # (C, V')
+            if mass:
+                m = (logits.float().logsumexp(-1) - full).exp()
         log_p = F.log_softmax(logits, dim=-1, dtype=torch.float32)
         del logits
         p = log_p.exp()
-        return p, _row_dot(p, log_p), label
+        return p, _row_dot(p, log_p), label, m
 
 
 def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -211,8 +219,12 @@ class _HeadLossFunction(torch.autograd.Function):
             d_params = [torch.zeros(p.shape, dtype=torch.float32, device=device) if need else None
                         for p, need in zip(params, grads[G:])]
             table = torch.zeros(G, 3 + ranks, dtype=torch.float32, device=device)  # loss sum, top1, topk, ranks
+            overlap = plan["overlap"]
+            offsets = np.cumsum([0] + [len(g.rows) for g in groups])
+            overlaps = torch.zeros(int(offsets[-1]) if overlap else 0, dtype=torch.float32, device=device)
             for i in range(len(starts) - 1):
-                p_all, p_log_p_all, label_all = teacher.chunk(slice(starts[i], starts[i + 1]), t_weight, t_bias)
+                p_all, p_log_p_all, label_all, mass = teacher.chunk(slice(starts[i], starts[i + 1]), t_weight, t_bias,
+                                                                    mass=overlap)
                 for g, group in enumerate(groups):
                     lo, hi = int(bounds[g][i]), int(bounds[g][i + 1])
                     if lo == hi:
@@ -252,10 +264,16 @@ class _HeadLossFunction(torch.autograd.Function):
                     else:  # KL(p || q) = sum p log p - sum p log q; as F.cross_entropy(logits, p) differentiates
                         p = p_all[local]
                         table[g, 0] += (p_log_p_all[local] - _row_dot(p, log_q)).sum()
+                        if not (differentiable or overlap):
+                            continue
+                        q = log_q.exp_()
+                        if overlap:  # sum_v min(p_target(v), q(v)), p_target = p x its mass on these columns
+                            overlaps[offsets[g] + lo:offsets[g] + hi] = \
+                                torch.minimum(p * mass[local][:, None], q).sum(-1).clamp_(0, 1)
                         if not differentiable:
                             continue
-                        d_logits = log_q.exp_().sub_(p)  # softmax - p (p sums to 1)
-                        del p
+                        d_logits = q.sub_(p)  # softmax - p (p sums to 1)
+                        del p, q
                     del log_q
                     d_logits = d_logits.mul_(group.weight / len(group.rows)).to(weight.dtype)  # d total / d logits
                     if grads[g]:
@@ -272,14 +290,14 @@ class _HeadLossFunction(torch.autograd.Function):
             # A group without rows (nothing of its kind in this batch) has loss 0 and zero gradients.
             table[:, 0] /= torch.tensor([max(1, len(g.rows)) for g in groups], dtype=torch.float32, device=device)
             total = (table[:, 0] * torch.tensor([g.weight for g in groups], dtype=torch.float32, device=device)).sum()
-        ctx.mark_non_differentiable(table)
+        ctx.mark_non_differentiable(table, overlaps)
         ctx.save_for_backward(*d_hidden, *(d for d in d_params if d is not None))
         ctx.layout = [d is not None for d in d_params]
         ctx.dtypes = [None if t is None else t.dtype for t in tensors]
-        return total, table
+        return total, table, overlaps
 
     @staticmethod
-    def backward(ctx, d_total, d_table):
+    def backward(ctx, d_total, d_table, d_overlaps):
         saved = list(ctx.saved_tensors)
         G = len(ctx.dtypes) - len(ctx.layout)
         d_hidden, kept = saved[:G], iter(saved[G:])
@@ -288,13 +306,21 @@ class _HeadLossFunction(torch.autograd.Function):
         return (None, *out)
 
 
-def head_losses(groups: list[Group], teacher: Teacher, *, top_k: int, ranks: int, chunk_elements: int):
+def head_losses(groups: list[Group], teacher: Teacher, *, top_k: int, ranks: int, chunk_elements: int,
+                overlap: bool = False):
     """The drafter's losses against ``teacher``, computed a chunk of positions at a time.
 
     Returns ``total`` (the sum over groups of weight x mean loss, differentiable with respect to each
     group's hidden states and head parameters) and ``table`` (G, 3 + ranks): each group's mean loss,
     top-1 hits, top-k hits and, with ``ranks``, how often the label has rank 0..ranks-1 (the top-1 and
-    top-k hits then count from the ranks). Gradients equal those of the plain formula on full logits."""
+    top-k hits then count from the ranks). Gradients equal those of the plain formula on full logits.
+
+    With ``overlap`` (a teacher distribution only) a third value, per group (M,) without gradient:
+    sum over the drafter's vocabulary of min(p_target(v), q(v)), the probability that the target
+    accepts a token drawn from the drafter's distribution there (p_target before any renormalisation
+    on ``teacher.columns``), read from the same logits as the loss."""
+    if overlap and teacher.hidden is None:
+        raise ValueError("head_losses(overlap=True) needs a teacher distribution (Teacher.hidden), not labels")
     heads: list[nn.Linear] = []
     for g in groups:
         if not any(g.head is h for h in heads):
@@ -304,8 +330,30 @@ def head_losses(groups: list[Group], teacher: Teacher, *, top_k: int, ranks: int
     tensors = [*(g.hidden for g in groups), *params]
     grads = [t is not None and t.requires_grad and torch.is_grad_enabled() for t in tensors]
     plan = {"groups": groups, "teacher": teacher, "heads": heads, "head_of": head_of, "grads": grads,
-            "top_k": top_k, "ranks": ranks, "chunk_elements": chunk_elements}
-    return _HeadLossFunction.apply(plan, *tensors)
+            "top_k": top_k, "ranks": ranks, "chunk_elements": chunk_elements, "overlap": overlap}
+    total, table, overlaps = _HeadLossFunction.apply(plan, *tensors)
+    if not overlap:
+        return total, table
+    return total, table, list(overlaps.split([len(g.rows) for g in groups]))
+
+
+def depth_stats(table: torch.Tensor, tokens, depths: int, ranks: int) -> dict[str, torch.Tensor]:
+    """The stats of :meth:`DrafterObjective.forward` from :func:`head_losses`' ``table`` (G, 3 + r) and
+    each group's scored positions ``tokens`` (G,), group g standing for depth g (G <= ``depths``):
+    per depth the loss sum, the positions, top-1 and top-k hits, and (held out, r = ``ranks``) the
+    rank hits (depths, ranks); depths without a group are zero."""
+    device = table.device
+    with torch.no_grad():
+        tokens = torch.as_tensor(tokens, dtype=torch.float32, device=device)
+        G = len(tokens)
+        stats = {name: torch.zeros(depths, device=device) for name in ("head_loss", "head_tokens", "top1", "topk")}
+        stats["rank_hits"] = torch.zeros(depths, ranks, device=device)
+        stats["head_loss"][:G] = table[:, 0] * tokens
+        stats["head_tokens"][:G] = tokens
+        stats["top1"][:G], stats["topk"][:G] = table[:, 1], table[:, 2]
+        if table.shape[1] > 3:  # rank hits (held out)
+            stats["rank_hits"][:G] = table[:, 3:]
+    return stats
 
 
 def draft_vocabulary(train_data, vocab_size: int, size: int) -> torch.Tensor:

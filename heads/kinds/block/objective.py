@@ -30,8 +30,9 @@ from selfdraft.errors import SelfdraftError
 from selfdraft.heads.kinds import get_kind
 from selfdraft.heads.kinds.block.module import BlockDims, BlockHead, DFlashDims, DSparkDims
 from selfdraft.train.features import target_features
-from selfdraft.train.objectives import (LOSS_CHUNK_ELEMENTS, DrafterObjective, Group, Teacher, as_linear, draft_vocabulary,
-                                        gathered, head_losses, segments_of, subtree, unshard_units, zero_loss)
+from selfdraft.train.objectives import (LOSS_CHUNK_ELEMENTS, DrafterObjective, Group, Teacher, as_linear, depth_stats,
+                                        draft_vocabulary, gathered, head_losses, segments_of, subtree, unshard_units,
+                                        zero_loss)
 from selfdraft.train.profile import phase
 
 EVAL_ANCHOR_SEED = 20261204
@@ -216,9 +217,6 @@ class BlockObjective(DrafterObjective):
         B = input_ids.shape[0]
         device, dtype = input_ids.device, next(drafter.parameters()).dtype
         R = 1 if self.training else max(1, self.top_k)
-        stats = {"head_loss": torch.zeros(K, device=device), "head_tokens": torch.zeros(K, device=device),
-                 "top1": torch.zeros(K, device=device), "topk": torch.zeros(K, device=device),
-                 "rank_hits": torch.zeros(K, R, device=device)}
         anchor, A = plan.anchor, plan.anchor.shape[1]
         with phase("drafter forward"):
             context = drafter.fuse(plan.features[:, :, :-1].flatten(2).to(dtype))  # (B, T, H)
@@ -231,14 +229,7 @@ class BlockObjective(DrafterObjective):
         loss = zero_loss(drafter)
         total, table = self._losses(out, plan.ok, plan.label_at, input_ids, plan.features, lm_head, first,
                                     0 if self.training else R)
-        with torch.no_grad():
-            counts = plan.ok.sum(dim=(0, 1)).float()
-            stats["head_loss"] = table[:, 0] * counts
-            stats["head_tokens"] = counts
-            stats["top1"], stats["topk"] = table[:, 1], table[:, 2]
-            if table.shape[1] > 3:
-                stats["rank_hits"] = table[:, 3:]
-        return loss + total, stats
+        return loss + total, depth_stats(table, plan.ok.sum(dim=(0, 1)), K, R)
 
     # --- the losses ---------------------------------------------------------------------------------
 
@@ -271,13 +262,16 @@ class BlockObjective(DrafterObjective):
             teacher_states.append(features[rows[:, :, 0], label_at[:, :, j] - 1, -1][sel])
             start += m
         teacher = Teacher(hidden=torch.cat(teacher_states), head=lm_head, columns=draft_ids, to_label=to_draft)
+        trains_confidence = self._trains_confidence()
         with phase("losses"):
-            total, table = head_losses(groups, teacher, top_k=self.top_k, ranks=ranks, chunk_elements=self.chunk_elements)
-        total = total + self._extra_losses(groups, teacher, previous_all, ok, out, first)
+            total, table, *accept = head_losses(groups, teacher, top_k=self.top_k, ranks=ranks,
+                                                chunk_elements=self.chunk_elements, overlap=trains_confidence)
+        if trains_confidence:
+            total = total + self._confidence_loss(groups, accept[0], previous_all, ok, out, first)
         return total, table
 
-    def _extra_losses(self, groups, teacher, previous_all, ok, out, first) -> torch.Tensor:
-        return torch.zeros((), device=out.device)
+    def _trains_confidence(self) -> bool:
+        return False
 
 
 class DSparkObjective(BlockObjective):
@@ -296,30 +290,19 @@ class DSparkObjective(BlockObjective):
     def _inputs(self, h: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         return torch.cat([h, self.drafter.markov_head.markov_w1(previous).to(h.dtype)], dim=-1)
 
-    def _extra_losses(self, groups, teacher, previous_all, ok, out, first) -> torch.Tensor:
-        """The confidence head's loss: BCE of its logit against the acceptance probability of the
-        drafter's distribution at that slot, sum_v min(p_target(v), q(v)), computed without gradient."""
-        drafter = self.drafter
-        if drafter.confidence_head is None:
-            return torch.zeros((), device=out.device)
-        weights, losses = [], []
-        t_weight = teacher.head.weight
+    def _trains_confidence(self) -> bool:
+        return self.drafter.confidence_head is not None
+
+    def _confidence_loss(self, groups, accept, previous_all, ok, out, first) -> torch.Tensor:
+        """The confidence head's loss: BCE of its logit at each scored slot against ``accept``, the
+        probability that the target accepts a token drawn from the drafter's distribution there,
+        sum_v min(p_target(v), q(v)) (from :func:`head_losses`, without gradient), weighted by position
+        as the draft loss is."""
+        losses, weights = [], []
         for j, group in enumerate(groups):
             sel = ok[:, :, j]
-            h = out[:, :, first + j][sel]
-            logit = drafter.confidence(h, previous_all[:, :, j][sel])  # (M_j,) with gradient
-            with torch.no_grad():
-                accept = torch.empty(len(h), device=h.device)
-                chunk = max(1, self.chunk_elements // max(teacher.vocab(), group.head.out_features))
-                for lo in range(0, len(h), chunk):
-                    hi = min(len(h), lo + chunk)
-                    q = F.softmax(F.linear(group.hidden[lo:hi].to(group.head.weight.dtype), group.head.weight).float(), -1)
-                    rows = group.rows[lo:hi]
-                    p = F.softmax(F.linear(teacher.hidden[rows].to(t_weight.dtype), t_weight).float(), -1)
-                    if teacher.columns is not None:
-                        p = p[:, teacher.columns]
-                    accept[lo:hi] = torch.minimum(p, q).sum(-1).clamp(0, 1)
-            bce = F.binary_cross_entropy_with_logits(logit, accept, reduction="sum") / max(1, len(h))
-            losses.append(bce * group.weight)
+            logit = self.drafter.confidence(out[:, :, first + j][sel], previous_all[:, :, j][sel])  # (M_j,)
+            bce = F.binary_cross_entropy_with_logits(logit, accept[j].to(logit.dtype), reduction="sum")
+            losses.append(bce / max(1, len(logit)) * group.weight)
             weights.append(group.weight)
         return self.config.confidence_weight * torch.stack(losses).sum() / sum(weights)

@@ -17,8 +17,9 @@ from selfdraft.heads.kinds.eagle.eagle1 import Eagle1Dims, Eagle1Head
 from selfdraft.heads.kinds.eagle.eagle3 import Eagle3Dims, Eagle3Head
 from selfdraft.heads.sparse_tree import expected_acceptance
 from selfdraft.train.features import target_features
-from selfdraft.train.objectives import (LOSS_CHUNK_ELEMENTS, DrafterObjective, Group, Teacher, as_linear, draft_vocabulary,
-                                        gathered, head_losses, segments_of, subtree, teacher_rows, unshard_units, zero_loss)
+from selfdraft.train.objectives import (LOSS_CHUNK_ELEMENTS, DrafterObjective, Group, Teacher, as_linear, depth_stats,
+                                        draft_vocabulary, gathered, head_losses, segments_of, subtree, teacher_rows,
+                                        unshard_units, zero_loss)
 from selfdraft.train.profile import phase, recording
 
 logger = logging.getLogger(__name__)
@@ -125,9 +126,6 @@ class EagleObjectiveBase(DrafterObjective):
         device, dtype = input_ids.device, next(self.drafter.parameters()).dtype
         # Held out: how often the label has rank 0..R-1, R the tree's top-k (the predicted acceptance length).
         K, R = self.steps, 1 if self.training else max(1, self.tree.top_k)
-        stats = {"head_loss": torch.zeros(K, device=device), "head_tokens": torch.zeros(K, device=device),
-                 "top1": torch.zeros(K, device=device), "topk": torch.zeros(K, device=device),
-                 "rank_hits": torch.zeros(K, R, device=device)}
         loss = zero_loss(self.drafter)
         if L < 2:  # train.loop.collate pads every batch to MIN_BATCH_LENGTH (3) positions
             raise SelfdraftError(f"EAGLE trains on batches of at least 3 positions, got {T}")
@@ -145,22 +143,11 @@ class EagleObjectiveBase(DrafterObjective):
         target_states = features[:, 1:T - 1, -1]  # (B, T-2, H)
         pairs = Pairs(features, embeds, positions, segments, mask, target_states, lm_head, 0 if self.training else R)
         total, table, tokens = self._losses(pairs)
-        self._stats(stats, table, tokens)
-        return loss + total, stats
+        return loss + total, depth_stats(table, tokens, K, R)
 
     def _losses(self, pairs: Pairs) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(the loss, the loss table of ``head_losses`` (K, 3 + ranks), the scored pairs per depth)."""
         raise NotImplementedError
-
-    def _stats(self, stats, table: torch.Tensor, tokens: list[int]) -> None:
-        with torch.no_grad():
-            index = torch.arange(len(tokens), device=table.device)
-            counts = torch.tensor(tokens, dtype=torch.float32, device=table.device)
-            stats["head_loss"][index] = table[:, 0] * counts
-            stats["head_tokens"][index] = counts
-            stats["top1"][index], stats["topk"][index] = table[:, 1], table[:, 2]
-            if table.shape[1] > 3:  # rank hits (held out)
-                stats["rank_hits"][index] = table[:, 3:]
 
 
 class Eagle1Objective(EagleObjectiveBase):

@@ -10,8 +10,8 @@ from selfdraft.errors import SelfdraftError
 from selfdraft.heads.kinds.medusa.module import MedusaHeads
 from selfdraft.heads.sparse_tree import CPU_CHOICES, expected_acceptance, sparse_tree
 from selfdraft.train.features import target_features
-from selfdraft.train.objectives import (LOSS_CHUNK_ELEMENTS, DrafterObjective, Group, Teacher, as_linear, gathered,
-                                        head_losses, segments_of, subtree, teacher_rows, zero_loss)
+from selfdraft.train.objectives import (LOSS_CHUNK_ELEMENTS, DrafterObjective, Group, Teacher, as_linear, depth_stats,
+                                        gathered, head_losses, segments_of, subtree, teacher_rows, zero_loss)
 from selfdraft.train.profile import phase
 
 
@@ -144,9 +144,7 @@ class MedusaObjective(DrafterObjective):
             total, table = head_losses(groups, teacher, top_k=self.top_k, ranks=0 if self.training else R,
                                         chunk_elements=self.chunk_elements)
         loss = loss + total
-        tokens = torch.tensor([float(len(g.rows)) for g in groups], device=device)
-        stats = {"head_loss": table[:, 0] * tokens, "head_tokens": tokens, "top1": table[:, 1], "topk": table[:, 2],
-                 "rank_hits": torch.zeros(K, R, device=device) if self.training else table[:, 3:]}
+        stats = depth_stats(table, [len(g.rows) for g in groups], K, R)
         if self.lora and cfg.lora.lm_loss_weight > 0:
             lm_loss, lm_tokens = self._lm_loss(input_ids, attention_mask, mask, hidden, lm_head, position_ids)
             loss = loss + cfg.lora.lm_loss_weight * lm_loss
