@@ -6,6 +6,7 @@ a fixture, is marked ``embedded`` (see ``pytest_collection_modifyitems``), so th
 deselects exactly those tests on a machine without the package."""
 
 import itertools
+import json
 import os
 import types
 
@@ -220,11 +221,12 @@ def trained_smollm2(embedded_fp32, engine_prompts, tmp_path_factory):
 
     Deliberately overfit: an engine test needs drafts that the target accepts often on the prompts it
     decodes, so that the engine's acceptance counters say something (a drafter trained briefly on
-    ShareGPT accepts about 1 token in 20). A few minutes of CPU in all."""
-    import json
-
+    ShareGPT accepts about 1 token in 20). The four runs read one feature cache holding every layer
+    they need (the same batches as online features, bit for bit, without the target's forward in each
+    step): about a minute of CPU in all."""
     from selfdraft.configs.run import load_run_config
     from selfdraft.inference.api import generate
+    from selfdraft.train.features import cache_features, feature_layers
     from selfdraft.train.loop import train
 
     root = tmp_path_factory.mktemp("trained-smollm2")
@@ -234,14 +236,19 @@ def trained_smollm2(embedded_fp32, engine_prompts, tmp_path_factory):
             answer = generate(embedded_fp32, prompt.text, chat=True, max_new_tokens=64).text
             f.write(json.dumps({"messages": [{"role": "user", "content": prompt.text},
                                              {"role": "assistant", "content": answer}]}) + "\n")
-    folders = {}
-    for kind, (preset, overrides) in TRAINED_SMOLLM2.items():
-        config = load_run_config(preset, [
+
+    def config(kind, *more):
+        preset, overrides = TRAINED_SMOLLM2[kind]
+        return load_run_config(preset, [
             *overrides, f"train.output_dir={root / kind}", f"train.max_steps={TRAINED_STEPS}", "train.eval_every=0",
             f"train.save_every={TRAINED_STEPS}", "train.lr=3e-3", f"data.source={data}", "data.max_length=256",
-            "data.eval_fraction=0.1", "train.micro_batch_size=2", "train.grad_accum=1", "train.warmup_steps=2"])
-        folders[kind] = train(config).drafter_dir
-    return folders
+            "data.eval_fraction=0.1", "train.micro_batch_size=2", "train.grad_accum=1", "train.warmup_steps=2", *more])
+
+    num_layers = embedded_fp32.model.config.num_hidden_layers
+    layers = sorted({i for kind in TRAINED_SMOLLM2 for i in feature_layers(config(kind), num_layers)})
+    cache = cache_features(config("eagle3"), root / "features", layers=layers)
+    assert cache.written, cache.refusal
+    return {kind: train(config(kind, f"train.features={cache.folder}")).drafter_dir for kind in TRAINED_SMOLLM2}
 
 
 # --- the device of the exactness suites ------------------------------------------------------------

@@ -155,20 +155,14 @@ def test_eagle_sampling_has_the_target_distribution(kind, law, test_device):
 @pytest.mark.slow
 @pytest.mark.embedded
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_trained_eagle_on_the_embedded_target_is_greedy_exact(embedded_fp32, tmp_path, kind):
-    """A few training steps on the real target, then greedy decoding with a dynamic tree equals
-    transformers' greedy output on chat prompts (fp32)."""
-    from selfdraft.configs.run import load_run_config
+def test_trained_eagle_on_the_embedded_target_is_greedy_exact(embedded_fp32, trained_smollm2, kind):
+    """A drafter trained on the real target (the engine tests' ``trained_smollm2``), then greedy decoding
+    with a dynamic tree equals transformers' greedy output on chat prompts (fp32)."""
     from selfdraft.inference.api import encode_prompt
     from selfdraft.inference.prompts import mt_bench_prompts
-    from selfdraft.train.loop import train
-
-    config = load_run_config(f"smoke_{kind}", [f"train.output_dir={tmp_path / 'run'}", "train.max_steps=4",
-                                               "data.max_conversations=24", "train.eval_every=0", "train.save_every=0"])
-    result = train(config)
     from selfdraft.inference.specs import make_drafter
 
-    drafter = make_drafter(str(result.drafter_dir), embedded_fp32)
+    drafter = make_drafter(str(trained_smollm2[kind]), embedded_fp32)
     model = embedded_fp32.model
     accepted = 0
     for prompt in mt_bench_prompts(2):
