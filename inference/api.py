@@ -18,6 +18,7 @@ from typing import Sequence
 
 from selfdraft.configs.decode import DecodeConfig, PromptLookupConfig, TreeConfig
 from selfdraft.errors import SelfdraftError
+from selfdraft.inference.adaptive import throttle_for
 from selfdraft.inference.decode import speculative_decode
 from selfdraft.inference.drafters import Drafter
 from selfdraft.inference.schedule import schedule_for
@@ -50,6 +51,10 @@ class GenerationResult:
     tokens_per_second: float
     draft_seconds: float
     """Time spent inside the drafter (its share of ``seconds`` is the drafting cost)."""
+    drafted_steps: int
+    """Verification steps that ran the drafter."""
+    skipped_steps: int
+    """Plain steps the adaptive throttle chose because drafting did not pay for this prompt (``adaptive="on"``)."""
     stop_reason: str
     drafter: str
     decode: dict = field(default_factory=dict)
@@ -92,6 +97,7 @@ def generate(
     device: str = "cpu",
     prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
     schedule: str = "confidence",
+    adaptive: str = "on",
 ) -> GenerationResult:
     """Decode one prompt with a drafter and return the text and acceptance statistics.
 
@@ -104,7 +110,9 @@ def generate(
     stored tree, e.g. ``{"max_nodes": 8}``: a Medusa drafter then rebuilds its sparse tree for that node
     budget from its stored accuracies). ``schedule="confidence"`` (the default) verifies only the part
     of a block drafter's block worth verifying on this machine (inference/schedule.py); ``"off"``
-    verifies every draft.
+    verifies every draft. ``adaptive="on"`` (the default) drafts only while drafting pays for this prompt,
+    by this machine's measured costs, and probes now and then once it stops (inference/adaptive.py);
+    ``"off"`` drafts every step.
     """
     config = DecodeConfig(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -122,7 +130,7 @@ def generate(
     session = CausalLMSession(target.model, hidden_layers=drafter.hidden_layers)
     out = speculative_decode(
         session, ids, drafter, config, eos_token_ids=target.eos_token_ids, max_context=target.max_context,
-        schedule=schedule_for(target, drafter, schedule),
+        schedule=schedule_for(target, drafter, schedule), throttle=throttle_for(target, drafter, adaptive),
     )
     stats = out.stats
     new = len(out.token_ids)
@@ -142,6 +150,8 @@ def generate(
         seconds=out.seconds,
         tokens_per_second=new / out.seconds if out.seconds > 0 else float("inf"),
         draft_seconds=stats.draft_seconds,
+        drafted_steps=stats.drafted_steps,
+        skipped_steps=stats.skipped_steps,
         stop_reason=out.stop_reason,
         drafter=drafter.name,
         decode={"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,

@@ -23,6 +23,7 @@ import torch
 
 from selfdraft.configs.decode import DecodeConfig
 from selfdraft.errors import SelfdraftError
+from selfdraft.inference.adaptive import Throttle
 from selfdraft.inference.drafters import Drafter, Verified
 from selfdraft.inference.schedule import VerifySchedule
 from selfdraft.inference.session import TargetSession
@@ -51,6 +52,10 @@ class DecodeStats:
     proposed_nodes: int = 0
     """Draft nodes the drafter proposed (before the schedule's cut)."""
     draft_seconds: float = 0.0
+    drafted_steps: int = 0
+    """Verification steps that ran the drafter (the adaptive throttle's probes included)."""
+    skipped_steps: int = 0
+    """Plain steps the adaptive throttle chose because drafting did not pay."""
 
     def depth_acceptance(self) -> dict[int, float]:
         """Per depth d: the share of steps that drafted depth d and accepted a token there."""
@@ -75,13 +80,15 @@ def speculative_decode(
     max_context: int | None = None,
     sample_rule: SampleRule = sample_verify,
     schedule: VerifySchedule | None = None,
+    throttle: Throttle | None = None,
 ) -> DecodeOutput:
     """Generate up to ``config.max_new_tokens`` tokens after ``prompt_ids``.
 
     Greedy (temperature 0) output equals the target's own greedy decoding; sampled output has the
     target's distribution (after temperature / top-k / top-p). ``sample_rule`` exists so the tests
     can plant a biased rule and show that they detect it. With a ``schedule``, each tree that carries
-    node values is cut to the part worth verifying (inference/schedule.py); exact all the same.
+    node values is cut to the part worth verifying (inference/schedule.py); with a ``throttle``, a step
+    drafts only while drafting pays for this request (inference/adaptive.py); exact all the same.
     """
     prompt_ids = list(prompt_ids)
     if not prompt_ids:
@@ -112,15 +119,22 @@ def speculative_decode(
     state = drafter.start(prompt_ids, out)
     stats.draft_seconds += time.perf_counter() - t0
     stop_reason = "eos" if first in eos else "max_new_tokens"
+    gate = throttle.start() if throttle is not None else None
 
     while first not in eos and len(emitted) < config.max_new_tokens:
         if max_context is not None and session.length >= max_context:  # no position left for the root
             stop_reason = "context"
             break
         remaining = config.max_new_tokens - len(emitted)
-        t0 = time.perf_counter()
-        tree, state = drafter.propose(state, sequence)
-        stats.draft_seconds += time.perf_counter() - t0
+        drafting = gate is None or gate.should_draft()
+        if drafting:
+            t0 = time.perf_counter()
+            tree, state = drafter.propose(state, sequence)
+            stats.draft_seconds += time.perf_counter() - t0
+            stats.drafted_steps += 1
+        else:  # a plain step; the drafter catches up on it at its next proposal
+            tree = DraftTree.empty()
+            stats.skipped_steps += 1
         stats.proposed_nodes += tree.num_nodes
         # Deeper nodes could never be emitted (budget) or would not fit the context.
         max_depth = remaining - 1
@@ -144,6 +158,8 @@ def speculative_decode(
                 accepted, bonus = sample_rule(probs, tree.token_ids, buffers, generator)
         keep = [0] + accepted
         session.commit(keep)
+        if gate is not None and drafting:
+            gate.record(tree.num_nodes, len(keep))
 
         new = [tree.token_ids[i - 1] for i in accepted] + [bonus]
         for i, tok in enumerate(new):

@@ -66,6 +66,9 @@ class Drafter(ABC):
     name: str = "drafter"
     hidden_layers: tuple[int, ...] = ()
     """Target layers whose hidden states the drafter reads (transformers' hidden_states numbering)."""
+    max_nodes: int = 0
+    """The most draft nodes one proposal holds (0: it never drafts): the largest verify batch the
+    adaptive throttle (inference/adaptive.py) needs the cost of."""
     valued_nodes: int = 0
     """The most nodes of a tree whose nodes carry values (``DraftTree.values``), which confidence-
     scheduled verification cuts by; 0: its trees carry none."""
@@ -105,6 +108,7 @@ class PromptLookupDrafter(Drafter):
 
     def __init__(self, config: PromptLookupConfig = PromptLookupConfig()):
         self.config = config
+        self.max_nodes = min(config.max_nodes, config.num_tokens * config.max_branches)
 
     def propose(self, state, sequence):
         cfg = self.config
@@ -147,6 +151,7 @@ class DraftModelDrafter(Drafter):
     def __init__(self, model, tree: TreeConfig = DRAFT_MODEL_TREE, target_vocab_size: int | None = None):
         self.model = model
         self.config = tree
+        self.max_nodes = tree.max_nodes
         self.vocab_size = target_vocab_size or model.config.vocab_size
 
     @classmethod
@@ -174,6 +179,8 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, session: CausalLMSession, sequence):
         cfg = self.config
+        if session.length >= len(sequence):  # a second proposal from the same sequence: feed the root again
+            session.crop(len(sequence) - 1)
         out = session.extend(sequence[session.length :])  # catch up: ends with the root
         base = session.length  # committed tokens in the draft cache, root included
 

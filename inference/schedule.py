@@ -6,7 +6,7 @@ accepts the path to that node (DSpark: the product of its confidence head's outp
 DFlash: the product of its own probabilities of the tokens it drafted). A step that verifies the
 node set S emits 1 + sum of the values in S tokens on average (the target's own token always comes)
 and costs T(|S| + 1) + D: one target forward over the root and S, read off the cost curve measured
-here (:class:`VerifyCost`), plus the drafting time D (measured once per schedule). :meth:`VerifySchedule.cut` keeps the M nodes of
+here (:class:`VerifyCost`), plus the drafting time D (:func:`draft_cost`). :meth:`VerifySchedule.cut` keeps the M nodes of
 highest value (values never grow along a path, so the M best are a tree: a parent ranks before its
 child) for the M with the highest ratio; M = 0 is a plain step.
 
@@ -14,12 +14,14 @@ Exactness: the kept nodes depend only on the drafter's state, never on the targe
 step, so verification keeps greedy output token-identical and sampled output lossless, as for any
 tree the drafter could have proposed itself.
 
-The cost curve is measured once per (machine, target, dtype, device, threads) and cached as JSON
-under ``$SELFDRAFT_CACHE`` (default ``~/.cache/selfdraft``)/``costs/``.
+The cost curve is measured once per (machine, target, dtype, device, threads), the drafting time once
+per drafter shape on top of that, and both are cached as JSON under ``$SELFDRAFT_CACHE`` (default
+``~/.cache/selfdraft``)/``costs/``.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -35,12 +37,23 @@ from selfdraft.machine import describe
 
 COST_CONTEXT = 256
 """Tokens already in the cache when the verify cost is measured (a typical mid-answer context)."""
+COST_TOKENS = 32
+"""The cost curve is measured up to at least this many tokens per forward (one curve per target serves
+every drafter of a CPU's small trees; a larger tree measures further)."""
+_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
+
+
+def cost_sizes(max_tokens: int) -> tuple[int, ...]:
+    """The forward sizes measured for a curve up to ``max_tokens``: every size up to 6, then a sparser
+    grid (the curve is smooth between them), and ``max_tokens`` itself."""
+    return tuple(sorted({m for m in _GRID if m <= max_tokens} | {max_tokens}))
 
 
 @dataclass(frozen=True)
 class VerifyCost:
-    """T(m): seconds of one target forward over m new tokens (the root and m - 1 drafts), m = 1, 2, ...
-    (``seconds[m - 1]``), measured at ``context`` cached tokens on ``machine``."""
+    """T(m): seconds of one target forward over m new tokens (the root and m - 1 drafts), measured at
+    ``context`` cached tokens on ``machine`` for the forward sizes ``sizes`` (``seconds[i]`` is
+    T(sizes[i]); None: the sizes 1, 2, ..., len(seconds))."""
 
     seconds: tuple[float, ...]
     target: str
@@ -48,21 +61,37 @@ class VerifyCost:
     device: str
     context: int
     machine: dict
+    sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        sizes = self.measured_sizes()
+        if len(sizes) != len(self.seconds) or not sizes or sizes[0] != 1 or list(sizes) != sorted(set(sizes)):
+            raise SelfdraftError(f"a cost curve needs increasing sizes from 1, one time each; got sizes {list(sizes)} "
+                                 f"for {len(self.seconds)} times")
+
+    def measured_sizes(self) -> tuple[int, ...]:
+        return self.sizes if self.sizes is not None else tuple(range(1, len(self.seconds) + 1))
 
     def __call__(self, m: int) -> float:
-        """T(m); beyond the measured sizes, extended along the last measured step's slope."""
-        s = self.seconds
-        if m <= len(s):
-            return s[max(m, 1) - 1]
-        slope = max(0.0, (s[-1] - s[0]) / max(1, len(s) - 1))
-        return s[-1] + slope * (m - len(s))
+        """T(m): linear between measured sizes; beyond the largest, extended along the mean slope of the curve."""
+        sizes, s = self.measured_sizes(), self.seconds
+        m = max(m, 1)
+        if m >= sizes[-1]:
+            slope = max(0.0, (s[-1] - s[0]) / (sizes[-1] - 1)) if sizes[-1] > 1 else 0.0
+            return s[-1] + slope * (m - sizes[-1])
+        i = bisect.bisect_right(sizes, m) - 1  # sizes[i] <= m < sizes[i + 1]
+        if sizes[i] == m:
+            return s[i]
+        w = (m - sizes[i]) / (sizes[i + 1] - sizes[i])
+        return s[i] + w * (s[i + 1] - s[i])
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "VerifyCost":
-        return cls(**{**d, "seconds": tuple(d["seconds"])})
+        sizes = d.get("sizes")
+        return cls(**{**d, "seconds": tuple(d["seconds"]), "sizes": tuple(sizes) if sizes is not None else None})
 
 
 def _timed_verify(session, tree: DraftTree, root: int, context: int) -> float:
@@ -76,8 +105,9 @@ def _timed_verify(session, tree: DraftTree, root: int, context: int) -> float:
 
 
 def measure_verify_cost(target, max_tokens: int, *, context: int = COST_CONTEXT, reps: int = 5) -> VerifyCost:
-    """Time the target's forward over a chain of m = 1..max_tokens new tokens after ``context`` cached
-    tokens (median of ``reps`` after two warm-ups; random token ids: the cost does not depend on them)."""
+    """Time the target's forward over a chain of m new tokens, m in :func:`cost_sizes` (max_tokens), after
+    ``context`` cached tokens (median of ``reps`` after two warm-ups; random token ids: the cost does not
+    depend on them)."""
     from selfdraft.inference.session import CausalLMSession
 
     if max_tokens < 1:
@@ -89,8 +119,8 @@ def measure_verify_cost(target, max_tokens: int, *, context: int = COST_CONTEXT,
     rng = random.Random(0)
     session = CausalLMSession(model)
     session.prefill([rng.randrange(text.vocab_size) for _ in range(context)])
-    seconds = []
-    for m in range(1, max_tokens + 1):
+    seconds, sizes = [], cost_sizes(max_tokens)
+    for m in sizes:
         tree = DraftTree.chain([rng.randrange(text.vocab_size) for _ in range(m - 1)])
         samples = [_timed_verify(session, tree, rng.randrange(text.vocab_size), context) for _ in range(reps + 2)][2:]
         seconds.append(statistics.median(samples))
@@ -99,7 +129,7 @@ def measure_verify_cost(target, max_tokens: int, *, context: int = COST_CONTEXT,
     for i in range(1, len(seconds)):
         seconds[i] = max(seconds[i], seconds[i - 1])
     return VerifyCost(tuple(seconds), target.identity.name, str(model.dtype).replace("torch.", ""), str(model.device),
-                      context, describe(str(model.device)))
+                      context, describe(str(model.device)), sizes)
 
 
 def cost_cache_path(target, max_tokens: int, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
@@ -113,8 +143,8 @@ def cost_cache_path(target, max_tokens: int, cache_dir: str | os.PathLike | None
 
 
 def verify_cost(target, max_tokens: int, cache_dir: str | os.PathLike | None = None) -> VerifyCost:
-    """The cached cost curve of ``target`` on this machine up to ``max_tokens``, measured on first use
-    (a few seconds) and written atomically."""
+    """The cached cost curve of ``target`` on this machine up to ``max_tokens`` tokens per forward,
+    measured on first use (a few seconds) and written atomically."""
     path = cost_cache_path(target, max_tokens, cache_dir)
     if path.exists():
         try:
@@ -130,8 +160,8 @@ def verify_cost(target, max_tokens: int, cache_dir: str | os.PathLike | None = N
 
 
 def measure_draft_cost(target, drafter, *, context: int = COST_CONTEXT, reps: int = 5) -> float:
-    """Seconds of one ``drafter.propose`` after ``context`` random tokens (median of ``reps`` after two
-    warm-ups)."""
+    """Seconds of one ``drafter.propose`` after ``context`` random tokens, the drafter caught up on them
+    (median of ``reps`` after two warm-ups)."""
     from selfdraft.inference.session import CausalLMSession
 
     text = target.model.config.get_text_config()
@@ -140,6 +170,7 @@ def measure_draft_cost(target, drafter, *, context: int = COST_CONTEXT, reps: in
     session = CausalLMSession(target.model, hidden_layers=drafter.hidden_layers)
     state = drafter.start(ids, session.prefill(ids))
     sequence = ids + [rng.randrange(text.vocab_size)]
+    _, state = drafter.propose(state, sequence)  # the drafter catches up on the prompt once, as in a decode
     samples = []
     for _ in range(reps + 2):
         start = time.perf_counter()
@@ -148,12 +179,46 @@ def measure_draft_cost(target, drafter, *, context: int = COST_CONTEXT, reps: in
     return statistics.median(samples[2:])
 
 
+def _drafter_shape(drafter) -> dict:
+    """What a drafter's proposal cost depends on: its class, tree and the shapes of the modules it runs
+    (not their values: a trained and a random drafter of one shape cost the same)."""
+    from torch import nn
+
+    shapes = sorted(f"{name}.{n}:{tuple(p.shape)}:{p.dtype}:{p.device}" for name, m in sorted(vars(drafter).items())
+                    if isinstance(m, nn.Module) for n, p in m.named_parameters())
+    return {"class": f"{type(drafter).__module__}.{type(drafter).__qualname__}", "name": drafter.name,
+            "max_nodes": drafter.max_nodes, "valued_nodes": drafter.valued_nodes,
+            "hidden_layers": list(drafter.hidden_layers), "config": repr(getattr(drafter, "config", None)),
+            "parameters": hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]}
+
+
+def draft_cost(target, drafter, cache_dir: str | os.PathLike | None = None) -> float:
+    """:func:`measure_draft_cost` of ``drafter`` with ``target`` on this machine, measured once per drafter
+    shape (class, tree, module shapes) and cached beside the verify cost, so that the decisions it feeds
+    (the schedule's cut, the adaptive throttle) are the same from run to run and a seeded sampled run
+    is reproducible."""
+    verify_path = cost_cache_path(target, 1, cache_dir)
+    key = json.dumps({"verify": verify_path.name, "drafter": _drafter_shape(drafter)}, sort_keys=True)
+    path = verify_path.with_name(f"draft-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
+    if path.exists():
+        try:
+            return float(json.loads(path.read_text())["seconds"])
+        except (ValueError, TypeError, KeyError):
+            pass  # damaged: measured again and replaced
+    seconds = measure_draft_cost(target, drafter)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"seconds": seconds, "drafter": _drafter_shape(drafter)}, indent=1))
+    os.replace(tmp, path)
+    return seconds
+
+
 @dataclass(frozen=True)
 class VerifySchedule:
     """Cuts each valued draft tree to the node set with the most expected tokens per second.
 
-    ``draft_seconds``: the drafter's cost per step (measured once, when the schedule is made: a cut
-    that read each step's own clock would make seeded sampling irreproducible)."""
+    ``draft_seconds``: the drafter's cost per step (:func:`draft_cost`, cached: a cut that read each
+    step's own clock would make seeded sampling irreproducible)."""
 
     cost: VerifyCost
     draft_seconds: float = 0.0
@@ -196,4 +261,4 @@ def schedule_for(target, drafter, mode: str = "confidence") -> VerifySchedule | 
         raise SelfdraftError(f"unknown schedule {mode!r}; choose one of {', '.join(SCHEDULES)}")
     if mode == "off" or not drafter.valued_nodes:
         return None
-    return VerifySchedule(verify_cost(target, drafter.valued_nodes + 1), measure_draft_cost(target, drafter))
+    return VerifySchedule(verify_cost(target, max(COST_TOKENS, drafter.valued_nodes + 1)), draft_cost(target, drafter))

@@ -66,6 +66,9 @@ def _add_generate(sub) -> None:
     g.add_argument("--schedule", choices=("confidence", "off"), default="confidence",
                    help="confidence (default): verify only the part of a DFlash/DSpark block that pays on this machine, by "
                    "the drafter's confidence and the target's verify cost measured here (cached); off: verify every draft")
+    g.add_argument("--adaptive", choices=("on", "off"), default="on",
+                   help="on (default): draft only while drafting pays for this prompt, by this machine's measured costs, "
+                   "probing now and then once it stops paying; off: draft every step")
     p.set_defaults(func=_run_generate)
 
 
@@ -93,6 +96,7 @@ def _run_generate(args) -> int:
         acceptance="typical" if args.typical_acceptance else "exact",
         tree=tree or None,
         schedule=args.schedule,
+        adaptive=args.adaptive,
         prompt_lookup=PromptLookupConfig(
             max_ngram=args.lookup_max_ngram,
             min_ngram=1,
@@ -108,7 +112,9 @@ def _run_generate(args) -> int:
         lossy = " [LOSSY: typical acceptance, not the target's distribution]" if result.decode["lossy"] else ""
         print(
             f"[{result.drafter}]{lossy} {result.new_tokens} tokens, {result.target_forwards} target forwards, "
-            f"acceptance length {result.acceptance_length:.2f}, {result.tokens_per_second:.1f} tokens/s",
+            f"acceptance length {result.acceptance_length:.2f}, {result.tokens_per_second:.1f} tokens/s"
+            + (f"; drafted {result.drafted_steps} of {result.drafted_steps + result.skipped_steps} steps (the rest did "
+               "not pay)" if result.skipped_steps else ""),
             file=sys.stderr,
         )
     return 0

@@ -16,7 +16,7 @@ from selfdraft.inference import bench
 ROW_FIELDS = {
     "task", "method", "temperature", "prompts", "new_tokens", "seconds", "tokens_per_second", "speedup",
     "acceptance_length", "engine_acceptance_length", "acceptance_histogram", "per_depth_acceptance",
-    "target_forwards_per_token", "drafting_time_share", "exact", "mismatches",
+    "target_forwards_per_token", "drafted_share", "drafting_time_share", "exact", "mismatches",
 }
 META_FIELDS = {"target", "dtype", "threads", "torch", "transformers", "machine", "date", "command"}
 
@@ -139,7 +139,7 @@ def test_bench_writes_every_field_and_flags_an_inexact_method(tiny_target, tiny_
     assert json.loads((out / "results.json").read_text()) == json.loads(json.dumps(results))
     report = (out / "report.md").read_text()
     assert "**WARNING: `flip` is not token-identical to `none`" in report
-    assert report.count("| method | tok/s | speedup | tau | engine tau | forwards/token | drafting share | exact |") == 2
+    assert report.count("| method | tok/s | speedup | tau | engine tau | forwards/token | steps drafted | drafting share | exact |") == 2
     assert "Per-depth acceptance" in report and "`none` (baseline)" in report
     assert report.count("Speedup over the baseline by category") == 1 and "| method | writing (1) | roleplay (1) |" in report
     for name in bench.PLOTS:

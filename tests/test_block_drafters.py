@@ -116,7 +116,7 @@ def test_a_trained_block_drafter_decodes_exactly(kind, tiny_target, tmp_path):
     reference = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                       do_sample=False, max_new_tokens=32, pad_token_id=0)[0, len(ids):].tolist()
     out = generate(target, input_ids=ids, drafter=str(result.drafter_dir), max_new_tokens=32, stop_on_eos=False,
-                   schedule="off")
+                   schedule="off", adaptive="off")
     assert out.token_ids == reference and out.drafter == kind
     assert out.draft_nodes_per_step == pytest.approx(dims.drafts_per_block, abs=1.0)
 

@@ -14,7 +14,7 @@ from selfdraft.inference.api import generate
 
 FIELDS = {
     "text", "token_ids", "new_tokens", "target_forwards", "acceptance_length", "accept_histogram",
-    "seconds", "tokens_per_second", "depth_acceptance", "draft_seconds", "stop_reason",
+    "seconds", "tokens_per_second", "depth_acceptance", "draft_seconds", "stop_reason", "drafted_steps", "skipped_steps",
 }
 
 

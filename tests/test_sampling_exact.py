@@ -260,20 +260,24 @@ class Samples:
     counts: np.ndarray  # (V^L,) int64, continuations by np.ravel_multi_index
     drafted: Counter  # depth d -> runs x steps whose tree reached depth d
     accepted: Counter  # depth d -> runs x steps that accepted a draft token at depth d
+    skipped: int = 0  # runs x steps the adaptive throttle decoded plain
 
 
-def sample_counts(make_session, drafter, sampling: Sampling, n: int, *, rule=sample_verify, seed0=0, schedule=None) -> Samples:
+def sample_counts(make_session, drafter, sampling: Sampling, n: int, *, rule=sample_verify, seed0=0, schedule=None,
+                  throttle=None) -> Samples:
     """The continuations of ``n`` independent runs of the decoding loop (seeds seed0 .. seed0 + n - 1),
-    its trees cut by ``schedule`` if given."""
+    its trees cut by ``schedule`` and its steps throttled by ``throttle`` if given."""
     samples = Samples(np.zeros(VOCAB**NEW_TOKENS, dtype=np.int64), Counter(), Counter())
     for i in range(n):
         config = DecodeConfig(max_new_tokens=NEW_TOKENS, temperature=sampling.temperature, top_k=sampling.top_k,
                               top_p=sampling.top_p, seed=seed0 + i, stop_on_eos=False)
-        out = speculative_decode(make_session(), PROMPT, drafter, config, sample_rule=rule, schedule=schedule)
+        out = speculative_decode(make_session(), PROMPT, drafter, config, sample_rule=rule, schedule=schedule,
+                                 throttle=throttle)
         assert len(out.token_ids) == NEW_TOKENS, out
         samples.counts[np.ravel_multi_index(tuple(out.token_ids), (VOCAB,) * NEW_TOKENS)] += 1
         samples.drafted.update(out.stats.depth_drafted)
         samples.accepted.update(out.stats.depth_accepted)
+        samples.skipped += out.stats.skipped_steps
     return samples
 
 
@@ -372,7 +376,9 @@ STUB_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,sampling", STUB_CASES, ids=[f"{k}-{s}".replace(" ", ",") for k, s in STUB_CASES])
 def test_speculative_sampling_has_target_distribution(target, drafters, kind, sampling, law):
-    n = 20_000
+    """Every drafter and warper combination at twice the size (BIASED_N) at which both planted biased
+    rules are rejected (test_biased_rule_is_detected)."""
+    n = 2 * BIASED_N
     probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
     samples = sample_counts(lambda: TableSession(target), drafters[kind], sampling, n)
@@ -416,6 +422,27 @@ def test_speculative_sampling_has_target_distribution_at_the_size_that_rejects_b
     pvalue, tv = _check(law, f"{kind} {sampling}", samples, probs, time.perf_counter() - start)
     assert pvalue > ALPHA, f"{kind} drafter, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
     _assert_exercised(samples, f"{kind} {sampling}")
+
+
+def test_adaptive_throttle_keeps_the_target_distribution(target, drafters, law):
+    """With the adaptive throttle, whether a step drafts depends on what earlier steps accepted (random
+    under sampling). Each step is still decided before the target sees it, so the law is the target's:
+    here a step drafts after a step that accepted a draft token and decodes plain after one that did
+    not (memory 0, a one-step wait), so half the runs or so take a plain second step."""
+    from selfdraft.inference.adaptive import Throttle
+    from selfdraft.inference.schedule import VerifyCost
+
+    sampling, n = Sampling(1.0), BIASED_N
+    # T(1) = 1, T(4) = 1.4, drafting 0.1: a drafted step pays when it emits more than 1.5 tokens.
+    cost = VerifyCost(tuple(1.0 + 0.4 * (m - 1) / 3 for m in range(1, 5)), "t", "float32", "cpu", 8, {})
+    throttle = Throttle(cost, 0.1, memory=0.0, slack=0.0, min_drafted=1, first_wait=1, longest_wait=1)
+    probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
+    start = time.perf_counter()
+    samples = sample_counts(lambda: TableSession(target), drafters["chain"], sampling, n, seed0=3 * 10**6, throttle=throttle)
+    pvalue, tv = _check(law, f"throttled chain {sampling}", samples, probs, time.perf_counter() - start)
+    assert pvalue > ALPHA, f"throttled chain, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
+    _assert_exercised(samples, f"throttled chain {sampling}")
+    assert 0.1 * n < samples.skipped < 0.9 * n, f"{samples.skipped} plain steps in {n} runs: the test proves little"
 
 
 @pytest.mark.parametrize("bug", ["min(1,p/q)", "no-renormalisation"])

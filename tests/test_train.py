@@ -303,9 +303,9 @@ SHARDED = {
 }
 
 
-SHARDED_STEPS = 16
-"""Steps of a sharded run: the kill lands at its first checkpoint (step 2), and the resumed run evaluates
-halfway and at the end (a launch spends about as long starting as in these steps)."""
+SHARDED_STEPS = 8
+"""Steps of a sharded run: the kill lands at its first checkpoint (step 2, a checkpoint every 2 steps),
+and the resumed run evaluates halfway and at the end."""
 
 
 @pytest.fixture(scope="module")

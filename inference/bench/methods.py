@@ -33,6 +33,16 @@ def _verify_schedule(text: str) -> str:
     return text
 
 
+def _adaptive(text: str) -> str:
+    if text not in ("on", "off"):
+        raise ValueError("must be on or off")
+    return text
+
+
+_ADAPTIVE_OPTION = {"adaptive": (_adaptive, "on (default): draft only while drafting pays for the request, probing "
+                                 "now and then once it stops paying; off: draft every step")}
+
+
 def _schedule(text: str) -> str:
     if text not in ("constant", "heuristic", "heuristic_transient"):
         raise ValueError("must be constant, heuristic or heuristic_transient")
@@ -83,13 +93,15 @@ def _prompt_lookup_config(options: dict) -> PromptLookupConfig:
 def _build_prompt_lookup(target, argument, options):
     from selfdraft.inference.drafters import PromptLookupDrafter
 
-    return LoopRunner(target, PromptLookupDrafter(_prompt_lookup_config(options)))
+    return LoopRunner(target, PromptLookupDrafter(_prompt_lookup_config(options)), adaptive=options.get("adaptive", "on"))
 
 
 def _build_draft_model(target, argument, options):
     from selfdraft.inference.specs import make_drafter
 
-    return LoopRunner(target, make_drafter(f"draft-model:{argument}", target, tree=dict(options)))
+    options = dict(options)
+    adaptive = options.pop("adaptive", "on")
+    return LoopRunner(target, make_drafter(f"draft-model:{argument}", target, tree=options or None), adaptive=adaptive)
 
 
 def _build_hf_prompt_lookup(target, argument, options):
@@ -132,9 +144,9 @@ register(Method("none", lambda t, a, o: LoopRunner(t, _no_drafter()), "our loop 
 register(Method("prompt-lookup", _build_prompt_lookup, "our loop, copying continuations of earlier n-grams", {
     "tokens": (_positive_int, "draft tokens per match"), "max_ngram": (_positive_int, "longest n-gram looked up"),
     "min_ngram": (_positive_int, "shortest n-gram looked up"), "branches": (_positive_int, "continuations merged into a tree"),
-    "max_nodes": (_positive_int, "draft tokens per tree (the node budget)")}))
+    "max_nodes": (_positive_int, "draft tokens per tree (the node budget)"), **_ADAPTIVE_OPTION}))
 register(Method("draft-model", _build_draft_model, "our loop with a separate small model of the same tokenizer",
-                _TREE_OPTIONS, argument="SPEC"))
+                {**_TREE_OPTIONS, **_ADAPTIVE_OPTION}, argument="SPEC"))
 register(Method("hf-greedy", lambda t, a, o: HFRunner(t), "transformers generate(), greedy", temperatures="greedy"))
 register(Method("hf-sample", lambda t, a, o: HFRunner(t), "transformers generate(do_sample=True), top_k 0, top_p 1",
                 temperatures="sample"))
@@ -167,13 +179,14 @@ def _folder_method(path: str) -> Method | None:
     options = {k: v for k, v in _TREE_OPTIONS.items() if k in get_kind(kind).tree_options}
     options["schedule"] = (_verify_schedule, "confidence (default): verify only the part of a block drafter's block "
                            "that pays here; off: every draft (a no-op for drafters whose trees carry no confidences)")
+    options.update(_ADAPTIVE_OPTION)
 
     def build(target, argument, options):
         from selfdraft.inference.specs import make_drafter
 
         options = dict(options)
-        schedule = options.pop("schedule", "confidence")
-        return LoopRunner(target, make_drafter(path, target, tree=options or None), schedule)
+        schedule, adaptive = options.pop("schedule", "confidence"), options.pop("adaptive", "on")
+        return LoopRunner(target, make_drafter(path, target, tree=options or None), schedule, adaptive)
 
     return Method(f"{kind} drafter folder", build, f"our loop with the {kind} drafter in {path}", options)
 

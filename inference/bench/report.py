@@ -29,14 +29,14 @@ def _fmt(value, pattern: str, none: str = "-") -> str:
 
 def _table(task: str, t: float, rows: list[dict]) -> tuple[str, str]:
     """(title, markdown table) of one task x temperature."""
-    lines = ["| method | tok/s | speedup | tau | engine tau | forwards/token | drafting share | exact |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| method | tok/s | speedup | tau | engine tau | forwards/token | steps drafted | drafting share | exact |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         name = f"`{r['method']}` (baseline)" if r["baseline"] else f"`{r['method']}`"
         exact = "-" if r["exact"] is None else ("yes" if r["exact"] else f"**NO** ({len(r['mismatches'])}/{r['prompts']})")
         lines.append(f"| {name} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | {_fmt(r['acceptance_length'], '.2f')} "
                      f"| {_fmt(r.get('engine_acceptance_length'), '.2f')} | {_fmt(r['target_forwards_per_token'], '.2f')} "
-                     f"| {_fmt(r['drafting_time_share'], '.0%')} | {exact} |")
+                     f"| {_fmt(r.get('drafted_share'), '.0%')} | {_fmt(r['drafting_time_share'], '.0%')} | {exact} |")
     return f"{task}, temperature {t:g} ({rows[0]['prompts']} prompts)", "\n".join(lines)
 
 
@@ -89,8 +89,9 @@ def render_report(results: dict, plots: bool = True) -> str:
         f"{m['max_new_tokens']} new tokens per prompt, up to {m['limit'] or 'all'} prompts per task, seed {m['seed']}. "
         f"Baseline: `{BASELINE}` (our loop without a drafter); speedup = {m['speedup']}. tau = tokens per target "
         "forward, the prefill included (selfdraft's definition); engine tau = 1 + accepted draft tokens per "
-        "verification step, prefill excluded (vLLM's, SGLang's and the papers' definition); tok/s = new tokens / seconds, summed over the prompts; drafting share = time in the drafter / "
-        "generation time (- where a method cannot measure it). "
+        "verification step, prefill excluded (vLLM's, SGLang's and the papers' definition); tok/s = new tokens / seconds, summed over the prompts; steps drafted = verification "
+        "steps that ran the drafter (the adaptive throttle, on by default, runs plain steps where drafting does not pay); "
+        "drafting share = time in the drafter / generation time (- where a method cannot measure it). "
         "exact: token-identical to the baseline on every prompt (temperature 0 only).", "",
         f"Command: `{m['command']}`", "",
     ]

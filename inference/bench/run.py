@@ -44,6 +44,7 @@ class _Tally:
     engine_steps: int | None = 0
     engine_accepted: int | None = 0
     draft_nodes: int | None = 0
+    drafted_steps: int | None = 0
     outputs: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, prompt_id: str, g: Generation, seconds: float) -> None:
@@ -60,6 +61,7 @@ class _Tally:
             self.accepted.update(g.depth_accepted)
         self.draft_seconds = None if self.draft_seconds is None or g.draft_seconds is None else self.draft_seconds + g.draft_seconds
         self.draft_nodes = None if self.draft_nodes is None or g.draft_nodes is None else self.draft_nodes + g.draft_nodes
+        self.drafted_steps = None if self.drafted_steps is None or g.drafted_steps is None else self.drafted_steps + g.drafted_steps
         # The engines' count: verification steps after the prefill, and the draft tokens they accepted
         # (each step emits its accepted tokens + 1; the prefill emits one token).
         steps = g.engine_steps or ((g.target_forwards - 1, len(g.token_ids) - g.target_forwards)
@@ -370,6 +372,9 @@ def _row(task: str, t: float, c: MethodChoice, tally: _Tally, base: _Tally) -> d
         # curve and the acceptance length it predicts the speed-up there (scripts/gpu_check.py --predict).
         "draft_nodes_per_step": tally.draft_nodes / (tally.forwards - tally.prompts)
         if tally.draft_nodes is not None and tally.forwards is not None and tally.forwards > tally.prompts else None,
+        # The share of verification steps that ran the drafter (the adaptive throttle skips the rest).
+        "drafted_share": tally.drafted_steps / (tally.forwards - tally.prompts)
+        if tally.drafted_steps is not None and tally.forwards is not None and tally.forwards > tally.prompts else None,
         "drafting_time_share": tally.draft_seconds / tally.seconds if tally.draft_seconds is not None and tally.seconds > 0 else None,
         "exact": (not mismatches) if t == 0 else None,
         "mismatches": mismatches,

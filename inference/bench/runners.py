@@ -40,6 +40,9 @@ class Generation:
     it reports them instead of target forwards (vLLM)."""
     draft_nodes: int | None = None
     """Draft tree nodes the target verified, summed over the steps (the verify batch is this + 1 a step)."""
+    drafted_steps: int | None = None
+    """Verification steps that ran the drafter (fewer than target forwards - 1 where the adaptive throttle
+    chose plain steps)."""
 
 
 Runner = Callable[[list[int], float, "int | None", int], Generation]
@@ -49,11 +52,13 @@ Runner = Callable[[list[int], float, "int | None", int], Generation]
 class LoopRunner:
     """Our decoding loop (the one behind :func:`selfdraft.generate`) with one drafter."""
 
-    def __init__(self, target, drafter, schedule: str = "confidence"):
+    def __init__(self, target, drafter, schedule: str = "confidence", adaptive: str = "on"):
+        from selfdraft.inference.adaptive import throttle_for
         from selfdraft.inference.schedule import schedule_for
 
         self.target, self.drafter = target, drafter
         self.schedule = schedule_for(target, drafter, schedule)
+        self.throttle = throttle_for(target, drafter, adaptive)
 
     def __call__(self, ids: list[int], temperature: float, seed: int | None, max_new_tokens: int) -> Generation:
         from selfdraft.inference.decode import speculative_decode
@@ -62,10 +67,12 @@ class LoopRunner:
         config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         session = CausalLMSession(self.target.model, hidden_layers=self.drafter.hidden_layers)
         out = speculative_decode(session, ids, self.drafter, config, eos_token_ids=self.target.eos_token_ids,
-                                 max_context=self.target.max_context, schedule=self.schedule)
+                                 max_context=self.target.max_context, schedule=self.schedule,
+                                 throttle=self.throttle)
         s = out.stats
         return Generation(out.token_ids, s.target_forwards, dict(s.accept_histogram), dict(s.depth_drafted),
-                          dict(s.depth_accepted), s.draft_seconds, draft_nodes=s.draft_nodes)
+                          dict(s.depth_accepted), s.draft_seconds, draft_nodes=s.draft_nodes,
+                          drafted_steps=s.drafted_steps)
 
 
 # generate() settings that change the output distribution and that only None switches off: our loop

@@ -234,6 +234,8 @@ def test_a_broken_export_fails_the_comparison(kind, engines, our_counts, plain):
     rows = compare(engine(engines, f"broken-{kind}"), our_counts(kind), [r["token_ids"] for r in plain["results"]])
     assert all(row["identical_to_plain"] for row in rows)  # the target still verifies every token
     comparable = [row for row in rows if row["same_tokens_as_ours"]]
+    print(f"\nbroken {kind}: the counters differ on {sum(row['vllm'][:2] != row['ours'][:2] for row in comparable)} of "
+          f"{len(comparable)} comparable prompts", end="")
     assert any(row["vllm"][:2] != row["ours"][:2] for row in comparable), \
         f"a wrong export went unnoticed:\n{json.dumps(rows, indent=1)}"
 

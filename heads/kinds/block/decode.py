@@ -57,7 +57,7 @@ class BlockDrafter(Drafter):
                                  f"has {text.num_hidden_layers}")
         self.drafter = on_target(drafter, target_model, f"the {kind} drafter").eval()
         self.name = kind
-        self.drafts = self.valued_nodes = min(tree.depth, drafter.dims.drafts_per_block)
+        self.drafts = self.valued_nodes = self.max_nodes = min(tree.depth, drafter.dims.drafts_per_block)
         self.embed = target_model.get_input_embeddings()
         self.lm_head = target_model.get_output_embeddings()
         self.hidden_layers = self.drafter.target_layers(text.num_hidden_layers)

@@ -35,6 +35,7 @@ class MedusaDrafter(Drafter):
         self.small_batch = use_small_batch_matmul(self.heads)  # the K heads' rows (explicit: .remove() undoes it)
         self.lm_head = target_model.get_output_embeddings()
         self.choices = normalise_choices(choices, heads.num_heads)
+        self.max_nodes = len(self.choices)
         self.hidden_layers = (target_model.config.get_text_config().num_hidden_layers,)  # final normed state
         self.vocab_size = target_model.config.get_text_config().vocab_size
         # Node i's parent index; the head (depth - 1) and rank that fill it, on the device.

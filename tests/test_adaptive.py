@@ -1,0 +1,212 @@
+"""The adaptive throttle (inference/adaptive.py): a request drafts while drafting pays by the measured
+costs, decodes plain steps when it does not, probes again after a wait that doubles, and stays exact
+whichever steps draft.
+
+The throttle's rule is checked on scripted acceptance (no model); exactness on a tiny random Llama
+with every drafter, random drafters included (they accept almost nothing, so they switch off and
+probe: each probe's proposal catches up on the plain steps before it). Sampled losslessness under the
+throttle is in test_sampling_exact.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from selfdraft.configs.decode import DRAFT_MODEL_TREE, DecodeConfig, PromptLookupConfig, TreeConfig
+from selfdraft.errors import SelfdraftError
+from selfdraft.inference.adaptive import Throttle, throttle_for
+from selfdraft.inference.decode import speculative_decode
+from selfdraft.inference.drafters import DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter
+from selfdraft.inference.schedule import VerifyCost
+from selfdraft.inference.session import CausalLMSession
+from selfdraft.inference.tree import DraftTree
+
+VOCAB = 97
+
+
+def linear_cost(base: float = 1.0, per_token: float = 0.05, sizes: int = 64) -> VerifyCost:
+    """T(m) = base + per_token * (m - 1)."""
+    return VerifyCost(tuple(base + per_token * m for m in range(sizes)), "toy", "float32", "cpu", 256, {})
+
+
+def simulate(throttle: Throttle, accepted, steps: int, nodes: int = 4) -> list[int]:
+    """The steps (0-based) a request drafts when a drafted step i accepts ``accepted(i)`` drafts."""
+    state, drafted = throttle.start(), []
+    for i in range(steps):
+        if state.should_draft():
+            drafted.append(i)
+            state.record(nodes, 1 + accepted(i))
+    assert state.drafted == len(drafted) and state.skipped == steps - len(drafted)
+    return drafted
+
+
+def test_a_drafter_that_never_pays_is_probed_ever_more_rarely():
+    # T(1) = 1, T(5) = 1.2, drafting 0.1: a drafted step pays above 1.3 tokens.
+    throttle = Throttle(linear_cost(), 0.1)
+    drafted = simulate(throttle, lambda i: 0, 1000)
+    gaps = [b - a for a, b in zip(drafted, drafted[1:])]
+    # min_drafted steps, then plain waits of 4, 8, 16, 32, 64, 64, ... between probes
+    assert gaps[:11] == [1] * 7 + [5, 9, 17, 33] and set(gaps[11:]) == {65}, gaps
+    assert len(drafted) < 30  # of 1000 steps: the drafter's cost is almost gone
+
+
+def test_a_drafter_that_pays_drafts_every_step():
+    assert simulate(Throttle(linear_cost(), 0.1), lambda i: 2, 500) == list(range(500))
+    # 1.5 tokens a step at this cost pays too: 1.5 / 1.3 > 1 / 1
+    assert len(simulate(Throttle(linear_cost(), 0.1), lambda i: i % 2, 500)) == 500
+
+
+def test_drafting_resumes_when_it_pays_again():
+    """Copy-heavy stretches: drafting pays, then stops paying, then pays again; the throttle follows
+    within the longest wait."""
+    phase = lambda i: 3 if i < 100 or i >= 300 else 0  # noqa: E731
+    drafted = set(simulate(Throttle(linear_cost(), 0.1), phase, 500))
+    assert set(range(100)) <= drafted
+    assert len(drafted & set(range(100, 300))) < 70  # about 45 steps to notice, then probes
+    back = min(i for i in drafted if i >= 300)
+    assert back < 300 + 65 and len(drafted & set(range(300, 500))) > 150
+
+
+def test_a_drafter_close_to_paying_is_probed_often_and_a_cheap_one_stays_on():
+    """Near the break-even (1.3 tokens here) a probe comes every few steps; a drafter that costs nearly
+    nothing (prompt lookup finding no match: an empty proposal) is never switched off."""
+    calls = itertools.count()
+    near = simulate(Throttle(linear_cost(), 0.1), lambda i: 1 if next(calls) % 5 == 0 else 0, 400)  # 1.2 tokens a step
+    after = near[8:]
+    gaps = [b - a for a, b in zip(after, after[1:])]
+    assert gaps and max(gaps) == 5, gaps
+    cheap = Throttle(linear_cost(1.0, 0.0), 0.001)  # verifying 4 drafts costs no more than 1 token; drafting 0.1%
+    assert simulate(cheap, lambda i: 0, 300) == list(range(300))
+
+
+def test_bad_throttle_settings_and_modes_are_refused():
+    with pytest.raises(SelfdraftError, match="memory"):
+        Throttle(linear_cost(), 0.1, memory=1.0)
+    with pytest.raises(SelfdraftError, match="first_wait"):
+        Throttle(linear_cost(), 0.1, first_wait=8, longest_wait=4)
+    with pytest.raises(SelfdraftError, match="draft_seconds"):
+        Throttle(linear_cost(), -1.0)
+    with pytest.raises(SelfdraftError, match="unknown adaptive mode 'sometimes'.*on, off"):
+        throttle_for(None, NoDrafter(), "sometimes")
+    assert throttle_for(None, NoDrafter(), "on") is None  # nothing to throttle
+    assert throttle_for(None, PromptLookupDrafter(), "off") is None
+
+
+# --- exactness on a tiny random Llama -----------------------------------------------------------------
+
+def tiny_llama(seed: int, layers: int = 4, hidden: int = 64) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+class HalfRight(Drafter):
+    """Drafts the target's greedy continuation in stretches of the answer: right for 32 tokens, wrong
+    for the next 96."""
+
+    name = "half-right"
+    max_nodes = 4
+
+    def __init__(self, truth, start):
+        self.truth, self.answer_start = truth, start
+
+    def propose(self, state, sequence):
+        t = len(sequence)
+        right = (t - self.answer_start) % 128 < 32
+        tokens = [self.truth[t + d] if right and t + d < len(self.truth) else (self.truth[t + d] + 1) % VOCAB
+                  if t + d < len(self.truth) else 0 for d in range(4)]
+        return DraftTree.chain(tokens), state
+
+
+def trained_kind_drafters(target):
+    """Randomly initialised EAGLE-3, Medusa, DFlash and DSpark drafters of ``target``."""
+    from selfdraft.heads.kinds.block.decode import BlockDrafter
+    from selfdraft.heads.kinds.block.module import BlockHead, DFlashDims, DSparkDims
+    from selfdraft.heads.kinds.eagle import new_drafter
+    from selfdraft.heads.kinds.eagle.decode import EagleTreeDrafter
+    from selfdraft.heads.kinds.medusa.decode import MedusaDrafter
+    from selfdraft.heads.kinds.medusa.module import MedusaHeads
+    from selfdraft.heads.sparse_tree import sparse_tree
+
+    torch.manual_seed(3)
+    text = target.config
+    eagle3 = new_drafter(target, "eagle3", draft_vocab_size=60)
+    eagle3.set_vocab_map(torch.randperm(VOCAB)[:60])
+    out = {"eagle3": EagleTreeDrafter(eagle3.eval(), target, TreeConfig(3, 2, 4)),
+           "medusa": MedusaDrafter(MedusaHeads(64, VOCAB, num_heads=3, num_layers=1),
+                                   target, sparse_tree(torch.tensor([[0.5, 0.3, 0.1]] * 3), 6))}
+    for kind, dims_class, extra in (("dflash", DFlashDims, {}), ("dspark", DSparkDims, {"markov_rank": 4})):
+        dims = dims_class.shaped_like(text, block_size=4, num_layers=1, draft_vocab_size=VOCAB, mask_token_id=VOCAB - 1,
+                                      target_layers=(1, 3), **extra)
+        out[kind] = BlockDrafter(BlockHead(dims).eval(), target, TreeConfig(depth=3, top_k=1, max_nodes=3))
+    return out
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0)
+
+
+def test_every_drafter_stays_exact_under_the_throttle(target):
+    """Greedy output equals generate() with the throttle on, for every drafter; drafters that accept
+    little are switched off and probed (drafted + plain steps = verification steps)."""
+    draft = tiny_llama(1, layers=1, hidden=32)
+    prompt = [5, 17, 3, 88, 41, 5, 17, 3, 60, 2, 9, 5, 17, 3]
+    n = 192
+    x = torch.tensor([prompt])
+    ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n)[0, len(prompt):].tolist()
+    drafters = {
+        "prompt-lookup": PromptLookupDrafter(PromptLookupConfig(max_branches=2, num_tokens=4, max_nodes=8)),
+        "draft-model": DraftModelDrafter(draft, dataclasses.replace(DRAFT_MODEL_TREE, depth=3, top_k=2, max_nodes=6)),
+        "half-right": HalfRight(prompt + ref, len(prompt)),
+        **trained_kind_drafters(target),
+    }
+    # Verifying costs little more than one token, drafting a fifth of a forward: a drafter pays from
+    # about 1.3 tokens a step.
+    throttle = Throttle(linear_cost(1.0, 0.02), 0.2)
+    for name, drafter in drafters.items():
+        session = CausalLMSession(target, hidden_layers=drafter.hidden_layers)
+        out = speculative_decode(session, prompt, drafter, DecodeConfig(max_new_tokens=n), throttle=throttle)
+        assert out.token_ids == ref, f"{name}: first divergence at " \
+            f"{next(i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b)}"
+        s = out.stats
+        assert s.drafted_steps + s.skipped_steps == s.target_forwards - 1, name
+        print(f"\n{name}: drafted {s.drafted_steps}, plain {s.skipped_steps}, tau {n / s.target_forwards:.2f}", end="")
+        if name in ("eagle3", "dflash", "dspark", "draft-model"):  # random: they accept next to nothing
+            assert s.skipped_steps > s.drafted_steps > 3, (name, s.drafted_steps, s.skipped_steps)
+        if name == "half-right":  # its right stretches draft, its wrong ones mostly do not
+            assert s.drafted_steps > 10 and s.skipped_steps > 5, (s.drafted_steps, s.skipped_steps)
+
+
+def test_generate_reports_the_throttle_and_off_drafts_every_step(tiny_target, tmp_path, monkeypatch):
+    """generate() throttles by default (costs measured here and cached); adaptive="off" drafts every step;
+    both outputs equal the plain one."""
+    from selfdraft.heads.target import load_target
+    from selfdraft.inference.api import generate
+
+    monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path))
+    t = load_target(str(tiny_target))
+    ids = [3, 9, 27, 81, 243, 30, 90]
+    plain = generate(t, input_ids=ids, max_new_tokens=64, stop_on_eos=False)
+
+    class Wrong(Drafter):  # always wrong: a token the target never emits next in this run
+        max_nodes = 3
+
+        def propose(self, state, sequence):
+            return DraftTree.chain([(sequence[-1] + 1) % 50, 1, 2]), state
+
+    on = generate(t, input_ids=ids, drafter=Wrong(), max_new_tokens=64, stop_on_eos=False)
+    off = generate(t, input_ids=ids, drafter=Wrong(), max_new_tokens=64, stop_on_eos=False, adaptive="off")
+    assert on.token_ids == off.token_ids == plain.token_ids
+    assert off.skipped_steps == 0 and off.drafted_steps == off.target_forwards - 1
+    assert on.skipped_steps > 2 * on.drafted_steps and on.drafted_steps + on.skipped_steps == on.target_forwards - 1
+    assert list((tmp_path / "costs").glob("*.json")), "the cost curve is cached"
