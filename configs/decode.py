@@ -86,6 +86,50 @@ class PromptLookupConfig:
 
 
 @dataclass(frozen=True)
+class CopyConfig:
+    """Copy drafting (SuffixDecoding's way): the longest suffix of the sequence that occurred before, and
+    a tree of what followed its occurrences, each node valued by how often it followed."""
+
+    max_pattern: int = 32
+    """Longest suffix of the sequence matched against its earlier text."""
+    depth: int = 8
+    """Deepest copied token."""
+    max_nodes: int = 16
+    """The node budget: most draft tokens in one tree."""
+    max_occurrences: int = 64
+    """Most recent occurrences of the matched suffix whose continuations are counted."""
+    min_value: float = 0.05
+    """Nodes valued below this probability are not proposed."""
+
+    def __post_init__(self):
+        for name in ("max_pattern", "depth", "max_nodes", "max_occurrences"):
+            if getattr(self, name) < 1:
+                raise SelfdraftError(f"copy drafting {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.min_value < 1.0:
+            raise SelfdraftError(f"copy drafting min_value must be in [0, 1), got {self.min_value}")
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Hybrid drafting: a copy tree and a drafter's tree merged into one verification tree per step."""
+
+    max_nodes: int = 16
+    """The node budget of the merged tree, before the cut to what pays on this machine's cost curve."""
+    prior: float = 4.0
+    """Pseudo-count of each source's calibration (accepted over predicted nodes) at its start."""
+    memory: float = 0.98
+    """Weight of the past in each source's running calibration and gain."""
+
+    def __post_init__(self):
+        if self.max_nodes < 1:
+            raise SelfdraftError(f"hybrid max_nodes must be >= 1, got {self.max_nodes}")
+        if self.prior <= 0:
+            raise SelfdraftError(f"hybrid prior must be > 0, got {self.prior}")
+        if not 0.0 <= self.memory < 1.0:
+            raise SelfdraftError(f"hybrid memory must be in [0, 1), got {self.memory}")
+
+
+@dataclass(frozen=True)
 class TreeConfig:
     """The draft tree a trained drafter proposes per step: the one tree setting of every drafter kind,
     in run configs (``drafter.tree``), exports, the CLI (``--tree-depth``, ``--tree-top-k``,

@@ -184,8 +184,17 @@ def _drafter_shape(drafter) -> dict:
     (not their values: a trained and a random drafter of one shape cost the same)."""
     from torch import nn
 
-    shapes = sorted(f"{name}.{n}:{tuple(p.shape)}:{p.dtype}:{p.device}" for name, m in sorted(vars(drafter).items())
-                    if isinstance(m, nn.Module) for n, p in m.named_parameters())
+    from selfdraft.inference.drafters import Drafter
+
+    def modules(obj, prefix=""):  # the drafter's modules, and those of the drafters it wraps (a hybrid's)
+        for name, m in sorted(vars(obj).items()):
+            if isinstance(m, nn.Module):
+                yield f"{prefix}{name}", m
+            elif isinstance(m, Drafter):
+                yield from modules(m, f"{prefix}{name}.")
+
+    shapes = sorted(f"{name}.{n}:{tuple(p.shape)}:{p.dtype}:{p.device}" for name, m in modules(drafter)
+                    for n, p in m.named_parameters())
     return {"class": f"{type(drafter).__module__}.{type(drafter).__qualname__}", "name": drafter.name,
             "max_nodes": drafter.max_nodes, "valued_nodes": drafter.valued_nodes,
             "hidden_layers": list(drafter.hidden_layers), "config": repr(getattr(drafter, "config", None)),

@@ -1,6 +1,7 @@
 """Drafters from their specs: what ``--drafter`` and ``make_drafter`` accept.
 
-``none``, ``prompt-lookup``, ``draft-model:SPEC``, or a folder: a native drafter folder of any
+``none``, ``prompt-lookup``, ``copy``, ``draft-model:SPEC``, ``hybrid:SPEC`` (copy drafting merged with
+the drafter SPEC, inference/hybrid.py), or a folder: a native drafter folder of any
 registered kind (checked against the target), or a folder in a layout some kind's reader knows (an
 engine export: vLLM, SGLang, the reference EAGLE code, FasterDecoding Medusa). A trained kind decodes
 through its own adapter, named by its registry entry.
@@ -11,14 +12,15 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from selfdraft.configs.decode import DRAFT_MODEL_TREE, PromptLookupConfig, TreeConfig
+from selfdraft.configs.decode import DRAFT_MODEL_TREE, HybridConfig, PromptLookupConfig, TreeConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.heads.folders import peek_config
 from selfdraft.heads.io import is_drafter_folder, load_drafter
 from selfdraft.heads.kinds import get_kind, read_engine_folder, registered
 from selfdraft.inference.drafters import DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter
+from selfdraft.inference.hybrid import CopyDrafter, hybrid_for
 
-DRAFTER_SPECS = ("none", "prompt-lookup", "draft-model:SPEC",
+DRAFTER_SPECS = ("none", "prompt-lookup", "copy", "draft-model:SPEC", "hybrid:SPEC (copying merged with the drafter SPEC)",
                  "PATH (a native drafter folder, or an engine export: vLLM, SGLang, reference EAGLE, FasterDecoding Medusa)")
 
 
@@ -43,6 +45,7 @@ def make_drafter(
     *,
     tree: TreeConfig | dict | None = None,
     prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
+    hybrid: HybridConfig = HybridConfig(),
 ) -> Drafter:
     """Build a drafter from its spec (see the module docstring). ``tree`` sets the tree of a trained
     drafter or a draft model: a :class:`TreeConfig`, or a dict of the fields to change in the tree
@@ -54,6 +57,14 @@ def make_drafter(
         return NoDrafter()
     if spec == "prompt-lookup":
         return PromptLookupDrafter(prompt_lookup)
+    if spec == "copy":
+        return CopyDrafter()
+    if spec.startswith("hybrid:"):
+        inner = spec[len("hybrid:"):]
+        if not inner or inner.startswith("hybrid:") or inner in ("copy", "none"):
+            raise SelfdraftError(f"hybrid:SPEC needs a drafter to merge with copying (a drafter folder or "
+                                 f"draft-model:SPEC), got {inner!r}")
+        return hybrid_for(target, make_drafter(inner, target, tree=tree, prompt_lookup=prompt_lookup), hybrid)
     overrides = tree_overrides(tree)
     if spec.startswith("draft-model:") and spec[len("draft-model:"):]:
         from selfdraft.heads.target import load_target

@@ -251,7 +251,8 @@ def grow_dynamic_tree(root_log_probs: torch.Tensor, expand: ExpandFn, *, depth: 
     feeds them to the drafter (one forward, tree attention over its cache) and returns their children's
     log-probabilities; each proposes its ``top_k`` best children. Finally the ``max_nodes`` best
     candidates overall form the tree, ordered by depth, then score (a child never scores above its
-    parent and ties go to the shallower node, so the set is closed under ancestors).
+    parent and ties go to the shallower node, so the set is closed under ancestors). Each node's value
+    (``DraftTree.values``) is its cumulative draft probability.
 
     root_log_probs: (V',) the drafter's log-probabilities below the root.
     expand(tokens, rows, positions, visible) -> (m, V'): feed m nodes: tokens (m,) target ids;
@@ -295,5 +296,6 @@ def grow_dynamic_tree(root_log_probs: torch.Tensor, expand: ExpandFn, *, depth: 
     remap[keep] = torch.arange(keep.numel(), device=device)
     kept_parents = torch.cat(parents)[keep]
     kept_parents = torch.where(kept_parents >= 0, remap[kept_parents.clamp(min=0)], kept_parents)
-    host = torch.stack([torch.cat(tokens)[keep], kept_parents]).tolist()  # the one copy of a proposal: (2, N)
-    return DraftTree.from_lists(host[0], host[1])
+    probs = all_scores[keep].double().exp().clamp(max=1.0)  # each node's cumulative draft probability
+    host = torch.stack([torch.cat(tokens)[keep].double(), kept_parents.double(), probs]).tolist()  # the one copy: (3, N)
+    return DraftTree.from_lists([int(t) for t in host[0]], [int(p) for p in host[1]], host[2])

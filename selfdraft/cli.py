@@ -36,8 +36,9 @@ def _add_generate(sub) -> None:
         "target's own greedy output in fp32; sampling keeps the target's distribution exactly.",
     )
     p.add_argument("--target", default="smollm2-135m", help="built-in name, local HF folder or hub name (default: %(default)s)")
-    p.add_argument("--drafter", default="none", help="none, prompt-lookup, draft-model:SPEC, or a drafter folder: native "
-                   "(any kind) or an engine export selfdraft reads (default: %(default)s)")
+    p.add_argument("--drafter", default="none", help="none, prompt-lookup, copy (suffix-match copying), draft-model:SPEC, "
+                   "a drafter folder: native (any kind) or an engine export selfdraft reads, or hybrid:SPEC (copying and the "
+                   "drafter SPEC merged into one tree per step) (default: %(default)s)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=_positive_int, default=DecodeConfig.max_new_tokens)
@@ -268,10 +269,11 @@ def _add_bench(sub) -> None:
         description="Decode the same prompts with several methods in one process and compare tokens/s, speedup over "
         "our loop without a drafter (`none`, always run), acceptance length and token identity. Writes results.json, "
         "report.md and PNG plots to --out.",
-        epilog="methods: none, prompt-lookup, draft-model:SPEC, hf-greedy (temperature 0), hf-sample (temperature > 0), "
+        epilog="methods: none, prompt-lookup, copy, draft-model:SPEC, hybrid:SPEC, hf-greedy (temperature 0), hf-sample (temperature > 0), "
         "hf-prompt-lookup (temperature 0), hf-assisted:SPEC, or a drafter folder (native Medusa / EAGLE-1 / EAGLE-3, "
         "vLLM/SGLang EAGLE layout).\noptions: METHOD@key=value,key=value, e.g. prompt-lookup@tokens=8, "
-        "runs/e3/drafter@depth=5,top_k=4,max_nodes=12, runs/m/drafter@max_nodes=16, hf-prompt-lookup@tokens=10, "
+        "runs/e3/drafter@depth=5,top_k=4,max_nodes=12, runs/m/drafter@max_nodes=16, hybrid:runs/e3/drafter@max_nodes=8, "
+        "hf-prompt-lookup@tokens=10, "
         "hf-assisted:SPEC@tokens=5.\ntasks: mt_bench (first turns, chat template; --limit takes the 8 categories in "
         "turn), mt_bench:CATEGORY, humaneval (raw completion), or a JSONL file of {\"prompt\": ..., \"id\": ..., "
         "\"chat\": true}.",
@@ -351,6 +353,53 @@ def _run_quickstart(args) -> int:
     return 0
 
 
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def _add_costs(sub) -> None:
+    p = sub.add_parser("costs", help="measure the target's verify cost T(batch, tokens per row) here: table and plot",
+                       description="Time one target forward over B rows of m new tokens each (every row after 256 cached "
+                       "tokens) for each batch size and token count, print the table (ms, and T(B, m) / T(B, 1): what "
+                       "verifying m - 1 drafts per row costs in plain steps) and write costs.json and costs.png to --out. "
+                       "Measured once per machine, target, dtype and grid, then read from the cache.")
+    p.add_argument("--target", default="smollm2-135m", help="built-in name, local HF folder or hub name (default: %(default)s)")
+    p.add_argument("--batch-sizes", type=_positive_ints, default=[1, 4, 16], help="comma-separated (default: 1,4,16)")
+    p.add_argument("--tokens", type=_positive_ints, default=[1, 2, 4, 8, 16, 32],
+                   help="tokens per row, comma-separated (default: 1,2,4,8,16,32)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on a CPU), float32, bfloat16, float16")
+    p.add_argument("--out", default="costs", help="folder for costs.json and costs.png (default: %(default)s)")
+    p.set_defaults(func=_run_costs)
+
+
+def _run_costs(args) -> int:
+    import json
+    import pathlib
+
+    from selfdraft.heads.target import load_target
+    from selfdraft.inference.cost_surface import cost_surface, plot_cost_surface
+
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    surface = cost_surface(target, args.batch_sizes, args.tokens)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".costs.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(surface.to_dict(), indent=1))
+    os.replace(tmp, out / "costs.json")
+    plot = plot_cost_surface(surface, out / "costs.png")
+    print(f"verify cost of {surface.target} ({surface.dtype}, {surface.device}, {surface.context} tokens cached per row):\n")
+    print(surface.table())
+    print(f"\nwritten: {out / 'costs.json'}, {plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from selfdraft import __version__
 
@@ -364,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quickstart(sub)
     _add_export(sub)
     _add_bench(sub)
+    _add_costs(sub)
     return parser
 
 

@@ -16,9 +16,11 @@ Stages, each recorded in ``OUT/stages.json`` when it finishes and skipped when t
    so a machine that was busy while the calibration was timed does not leave the budget half spent.
    ``stages.json`` records the plan, the seconds spent on the cache and on optimizer steps, and the
    steps taken.
-2. **bench** it against the vanilla baseline (our loop without a drafter), prompt lookup and
+2. **bench** it against the vanilla baseline (our loop without a drafter), prompt lookup, copy
+   drafting, the hybrid of copying and the drafter (``hybrid:DRAFTER``, inference/hybrid.py) and
    transformers' greedy and prompt-lookup decoding on a subset of MT-bench and HumanEval, greedy
-   (token identity is checked), and print the table and where the report is.
+   (token identity is checked), and print the table, where the report is, and the fastest exact
+   configuration measured on this machine with the command that decodes with it.
 3. **export** it for vLLM and for SGLang (``OUT/export-vllm``, ``OUT/export-sglang``, each with a
    README.md model card holding the measured acceptance length and its serving command) next to the
    native one.
@@ -38,7 +40,8 @@ from dataclasses import dataclass
 from selfdraft.errors import SelfdraftError
 from selfdraft.train.deadline import StepTimer, stopwatch
 
-BENCH_METHODS = ("none", "prompt-lookup", "hf-greedy", "hf-prompt-lookup")
+BENCH_METHODS = ("none", "prompt-lookup", "copy", "hf-greedy", "hf-prompt-lookup")
+"""Run beside the trained drafter and its hybrid with copying (``hybrid:DRAFTER``)."""
 EXPORT_FORMATS = ("vllm", "sglang")
 
 
@@ -142,9 +145,39 @@ def verdict(results: dict, drafter: str) -> dict:
     summary = ("the trained drafter pays for itself: " if pays else
                "the trained drafter does NOT pay for itself on every task (more training, a GPU or bf16 hardware "
                "helps; see README): ") + ", ".join(parts)
+    best = fastest_exact(results)
+    if best is not None:
+        summary += (f"; fastest exact configuration here: `{best['method']}` ({_times(best['speedup'])} geometric mean; "
+                    + ", ".join(f"{_times(v)} on {t}" for t, v in best["tasks"].items())
+                    + f"): selfdraft generate --drafter {best['method']}")
     tasks = {task: {"drafter": None if e["drafter"] is None else round(e["drafter"], 3),
                     "fastest": (e["fastest"][0], round(e["fastest"][1], 3))} for task, e in tasks.items()}
-    return {"pays_for_itself": pays, "tasks": tasks, "summary": summary}
+    return {"pays_for_itself": pays, "tasks": tasks, "summary": summary, "fastest_exact": best}
+
+
+def fastest_exact(results: dict) -> dict | None:
+    """The method of our own loop (no ``hf-``/``vllm`` row) with the highest geometric mean speedup over
+    every greedy task, among those whose output was token-identical on every task; None without one."""
+    by_method: dict[str, dict[str, float]] = {}
+    tasks = set()
+    for row in results["rows"]:
+        if row["temperature"] != 0:
+            continue
+        tasks.add(row["task"])
+        method = row["method"]
+        if method.startswith(("hf-", "vllm")) or not row.get("exact", True):
+            by_method.setdefault(method, {})["inexact"] = 0.0
+            continue
+        by_method.setdefault(method, {})[row["task"]] = row["speedup"]
+    scored = []
+    for method, speedups in by_method.items():
+        if "inexact" in speedups or set(speedups) != tasks:
+            continue
+        scored.append((math.prod(speedups.values()) ** (1 / len(speedups)), method, speedups))
+    if not scored:
+        return None
+    mean, method, speedups = max(scored, key=lambda s: s[0])
+    return {"method": method, "speedup": mean, "tasks": dict(sorted(speedups.items()))}
 
 
 def _append_learning_curve(report: pathlib.Path, run_dir: pathlib.Path) -> None:
@@ -298,7 +331,7 @@ def quickstart(qc: QuickstartConfig) -> dict:
         from selfdraft.inference.bench import run_bench
 
         _say(f"bench: {qc.bench_tasks}, {qc.bench_limit} prompts each, {qc.max_new_tokens} new tokens, greedy")
-        results = run_bench(config.target.spec, [*BENCH_METHODS, str(drafter)], qc.bench_tasks, [0.0],
+        results = run_bench(config.target.spec, [*BENCH_METHODS, str(drafter), f"hybrid:{drafter}"], qc.bench_tasks, [0.0],
                             qc.max_new_tokens, qc.bench_limit, out / "bench", dtype=config.target.dtype,
                             device=device, threads=qc.threads, command="selfdraft quickstart")
         _append_learning_curve(out / "bench" / "report.md", run_dir)

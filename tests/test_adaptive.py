@@ -187,6 +187,34 @@ def test_every_drafter_stays_exact_under_the_throttle(target):
             assert s.drafted_steps > 10 and s.skipped_steps > 5, (s.drafted_steps, s.skipped_steps)
 
 
+def test_copy_and_hybrid_drafters_are_exact_with_every_drafter_kind():
+    """Greedy output equals generate() for the hybrid of copying with a draft model and with every trained
+    kind (random weights), and for copying alone, under the throttle and without it."""
+    from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter
+    from selfdraft.inference.schedule import VerifySchedule
+
+    target = tiny_llama(0)
+    draft = tiny_llama(1, layers=1, hidden=32)
+    prompt = [5, 17, 3, 88, 41, 5, 17, 3, 60, 2, 9, 5, 17, 3]
+    n = 128
+    x = torch.tensor([prompt])
+    ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n)[0, len(prompt):].tolist()
+    schedule = VerifySchedule(linear_cost(1.0, 0.02))
+    inner = {"draft-model": DraftModelDrafter(draft, dataclasses.replace(DRAFT_MODEL_TREE, depth=3, top_k=2, max_nodes=6)),
+             **trained_kind_drafters(target)}
+    drafters = {"copy": CopyDrafter(), **{f"hybrid({k})": HybridDrafter(d, schedule=schedule, model_seconds=0.1)
+                                          for k, d in inner.items()}}
+    copied = 0
+    for name, drafter in drafters.items():
+        for throttle in (None, Throttle(linear_cost(1.0, 0.02), 0.2)):
+            session = CausalLMSession(target, hidden_layers=drafter.hidden_layers)
+            out = speculative_decode(session, prompt, drafter, DecodeConfig(max_new_tokens=n), throttle=throttle)
+            assert out.token_ids == ref, f"{name}: first divergence at " \
+                f"{next(i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b)}"
+            copied += sum(out.stats.depth_accepted.values())
+    assert copied > 0, "no drafter accepted anything: the test proves little"
+
+
 def test_generate_reports_the_throttle_and_off_drafts_every_step(tiny_target, tmp_path, monkeypatch):
     """generate() throttles by default (costs measured here and cached); adaptive="off" drafts every step;
     both outputs equal the plain one."""

@@ -184,7 +184,7 @@ def test_bad_input_is_a_clear_error(tiny_target, tmp_path):
     bad(tasks="mt_bnech", match=r"unknown task 'mt_bnech'; valid tasks: mt_bench, mt_bench:writing, .*humaneval")
     bad(tasks="mt_bench:poetry", match=r"unknown task 'mt_bench:poetry'.*mt_bench:humanities")
     bad(methods="medusa-from-nowhere", match=r"unknown method 'medusa-from-nowhere'; valid methods: none, prompt-lookup, "
-        r"draft-model:SPEC, hf-greedy, hf-sample, hf-prompt-lookup, hf-assisted:SPEC, vllm:FOLDER, or a drafter folder")
+        r"copy, hybrid:SPEC, draft-model:SPEC, hf-greedy, hf-sample, hf-prompt-lookup, hf-assisted:SPEC, vllm:FOLDER, or a drafter folder")
     bad(methods="prompt-lookup@tokns=3", match=r"unknown option 'tokns'; valid options of prompt-lookup: tokens, max_ngram")
     bad(methods="prompt-lookup@tokens=zero", match=r"option tokens='zero'")
     bad(methods="prompt-lookup@tokens=0", match=r"tokens='0': must be an integer >= 1")

@@ -49,7 +49,8 @@ def test_quickstart_runs_end_to_end_and_a_second_run_reuses_its_stages(tiny_targ
         card = (out / f"export-{fmt}" / "README.md").read_text()
         assert f"| acceptance length | {measured['acceptance_length']:.2f} (" in card
     methods = {row["method"] for row in results["rows"]}
-    assert {"none", "prompt-lookup", "hf-greedy", "hf-prompt-lookup", str(out / "run" / "drafter")} <= methods
+    assert {"none", "prompt-lookup", "copy", "hf-greedy", "hf-prompt-lookup", str(out / "run" / "drafter"),
+            f"hybrid:{out / 'run' / 'drafter'}"} <= methods
     assert {row["task"] for row in results["rows"]} == {"mt_bench", "humaneval"}
     assert all(row["exact"] for row in results["rows"] if row["method"] != "hf-prompt-lookup")
     assert (out / "bench" / "report.md").is_file()
@@ -57,6 +58,7 @@ def test_quickstart_runs_end_to_end_and_a_second_run_reuses_its_stages(tiny_targ
     assert "## The drafter's learning curve" in report and "predicted tau" in report and "training.png" in report
     judged = stages["done"]["bench"]["verdict"]
     assert judged["summary"] in first and set(judged["tasks"]) == {"mt_bench", "humaneval"}
+    assert judged["fastest_exact"]["method"] in methods and "fastest exact configuration here" in judged["summary"]
 
     stamps = {p: p.stat().st_mtime_ns for p in [out / "run" / "drafter" / "config.json", out / "bench" / "results.json",
                                                   out / "export-vllm" / "config.json"]}
@@ -96,6 +98,29 @@ def test_the_verdict_names_the_fastest_method_where_the_drafter_does_not_pay():
     assert judged["pays_for_itself"] and "1.02x on humaneval" in judged["summary"]
     rows[4]["speedup"] = 0.9987  # a slowdown never reads 1.00x
     assert "0.999x on humaneval (slower than no drafter" in verdict({"rows": rows}, "run/drafter")["summary"]
+
+
+def test_the_verdict_names_the_fastest_exact_configuration_with_its_command():
+    from selfdraft.quickstart import fastest_exact, verdict
+
+    def row(task, method, speedup, exact=True, t=0.0):
+        return {"task": task, "method": method, "speedup": speedup, "temperature": t, "exact": exact}
+
+    rows = [row("mt_bench", "none", 1.0), row("humaneval", "none", 1.0),
+            row("mt_bench", "run/drafter", 1.3), row("humaneval", "run/drafter", 1.2),
+            row("mt_bench", "prompt-lookup", 1.1), row("humaneval", "prompt-lookup", 2.0),
+            row("mt_bench", "hybrid:run/drafter", 1.4), row("humaneval", "hybrid:run/drafter", 2.1),
+            row("mt_bench", "copy", 5.0, exact=False), row("humaneval", "copy", 5.0),  # not exact on one task
+            row("mt_bench", "hf-greedy", 9.0), row("humaneval", "hf-greedy", 9.0),  # not our loop
+            row("mt_bench", "fast-on-one-task", 9.0),  # not measured on every task
+            row("mt_bench", "run/drafter", 9.0, t=0.7), row("humaneval", "run/drafter", 9.0, t=0.7)]
+    best = fastest_exact({"rows": rows})
+    assert best == {"method": "hybrid:run/drafter", "speedup": pytest.approx((1.4 * 2.1) ** 0.5),
+                    "tasks": {"humaneval": 2.1, "mt_bench": 1.4}}
+    summary = verdict({"rows": rows}, "run/drafter")["summary"]
+    assert "fastest exact configuration here: `hybrid:run/drafter` (1.71x geometric mean; 2.10x on humaneval, " \
+           "1.40x on mt_bench): selfdraft generate --drafter hybrid:run/drafter" in summary
+    assert fastest_exact({"rows": [row("mt_bench", "copy", 2.0, exact=False)]}) is None
 
 
 def test_a_busy_machine_during_calibration_still_fills_the_budget(tiny_target, tmp_path):

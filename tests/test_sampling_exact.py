@@ -445,6 +445,39 @@ def test_adaptive_throttle_keeps_the_target_distribution(target, drafters, law):
     assert 0.1 * n < samples.skipped < 0.9 * n, f"{samples.skipped} plain steps in {n} runs: the test proves little"
 
 
+def test_hybrid_drafting_keeps_the_target_distribution(target, drafters, law):
+    """The hybrid merges copying and the draft chain into one tree, cuts it by a cost curve, and skips the
+    draft model on steps where copying looks sure; its calibration and that choice follow what earlier
+    steps accepted (random under sampling). Each tree is still fixed before the target sees the step,
+    so the law is the target's."""
+    from selfdraft.configs.decode import CopyConfig
+    from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter
+    from selfdraft.inference.schedule import VerifyCost, VerifySchedule
+
+    class Counting(HybridDrafter):
+        merged = skipped = 0
+
+        def propose(self, state, sequence):
+            tree, state = super().propose(state, sequence)
+            sources = {i for src in state.sources for i, v in enumerate(src) if v is not None}
+            Counting.merged += sources == {0, 1}
+            Counting.skipped += not state.model_ran
+            return tree, state
+
+    sampling, n = Sampling(1.0), BIASED_N
+    cost = VerifyCost(tuple(1.0 + 0.05 * m for m in range(8)), "t", "float32", "cpu", 8, {})
+    hybrid = Counting(drafters["chain"], CopyDrafter(CopyConfig(depth=3)), schedule=VerifySchedule(cost),
+                      model_seconds=0.5, probe_every=3)
+    probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
+    start = time.perf_counter()
+    samples = sample_counts(lambda: TableSession(target), hybrid, sampling, n, seed0=4 * 10**6)
+    pvalue, tv = _check(law, f"hybrid {sampling}", samples, probs, time.perf_counter() - start)
+    print(f"steps with both sources {Counting.merged}, steps without the draft model {Counting.skipped}")
+    assert pvalue > ALPHA, f"hybrid, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
+    _assert_exercised(samples, f"hybrid {sampling}")
+    assert Counting.merged > 0.05 * n and Counting.skipped > 0.05 * n, "the hybrid's merge and skip were not exercised"
+
+
 @pytest.mark.parametrize("bug", ["min(1,p/q)", "no-renormalisation"])
 def test_biased_rule_is_detected(target, drafters, bug, law):
     """The same test rejects biased rules, with a quarter of the samples the correct rule gets:

@@ -104,6 +104,27 @@ def _build_draft_model(target, argument, options):
     return LoopRunner(target, make_drafter(f"draft-model:{argument}", target, tree=options or None), adaptive=adaptive)
 
 
+def _build_copy(target, argument, options):
+    from selfdraft.configs.decode import CopyConfig
+    from selfdraft.inference.hybrid import CopyDrafter
+
+    options = dict(options)
+    adaptive = options.pop("adaptive", "on")
+    return LoopRunner(target, CopyDrafter(CopyConfig(**options)), adaptive=adaptive)
+
+
+def _build_hybrid(target, argument, options):
+    from selfdraft.configs.decode import HybridConfig
+    from selfdraft.inference.hybrid import hybrid_for
+    from selfdraft.inference.specs import make_drafter
+
+    options = dict(options)
+    adaptive = options.pop("adaptive", "on")
+    config = HybridConfig(**({"max_nodes": options.pop("max_nodes")} if "max_nodes" in options else {}))
+    inner = make_drafter(argument, target, tree=options or None)
+    return LoopRunner(target, hybrid_for(target, inner, config), adaptive=adaptive)
+
+
 def _build_hf_prompt_lookup(target, argument, options):
     extra = {"prompt_lookup_num_tokens": options.get("tokens", 10)}
     if "max_ngram" in options:
@@ -145,6 +166,15 @@ register(Method("prompt-lookup", _build_prompt_lookup, "our loop, copying contin
     "tokens": (_positive_int, "draft tokens per match"), "max_ngram": (_positive_int, "longest n-gram looked up"),
     "min_ngram": (_positive_int, "shortest n-gram looked up"), "branches": (_positive_int, "continuations merged into a tree"),
     "max_nodes": (_positive_int, "draft tokens per tree (the node budget)"), **_ADAPTIVE_OPTION}))
+register(Method("copy", _build_copy, "our loop, copying the frequent continuations of the longest earlier match of "
+                "the text's suffix (SuffixDecoding's way; cut to what pays on this machine)", {
+    "depth": (_positive_int, "deepest copied token"), "max_nodes": (_positive_int, "draft tokens per tree (the node budget)"),
+    "max_pattern": (_positive_int, "longest suffix matched"), **_ADAPTIVE_OPTION}))
+register(Method("hybrid", _build_hybrid, "our loop with copying and the drafter SPEC (a drafter folder or "
+                "draft-model:SPEC) merged into one tree per step", {
+    "max_nodes": (_positive_int, "draft tokens in the merged tree (the node budget)"),
+    "depth": (_positive_int, "the drafter's draft depth"), "top_k": (_positive_int, "the drafter's children per expanded node"),
+    **_ADAPTIVE_OPTION}, argument="SPEC"))
 register(Method("draft-model", _build_draft_model, "our loop with a separate small model of the same tokenizer",
                 {**_TREE_OPTIONS, **_ADAPTIVE_OPTION}, argument="SPEC"))
 register(Method("hf-greedy", lambda t, a, o: HFRunner(t), "transformers generate(), greedy", temperatures="greedy"))

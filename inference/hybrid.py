@@ -1,0 +1,267 @@
+"""Copy drafting and hybrid drafting: what the text itself predicts, merged with what a drafter predicts.
+
+:class:`CopyDrafter` drafts the way SuffixDecoding does (arXiv 2411.04975), over one request's prompt and
+output: it finds the longest suffix of the sequence (up to ``max_pattern`` tokens) that occurred
+before, counts what followed its most recent occurrences, and proposes the tree of those continuations,
+each node valued by the share of occurrences that continued that way (smoothed by 1 / the matched
+length, so a continuation seen once after a one-token match is worth 1/2 and one after a long match
+nearly 1). Unlike prompt lookup (inference/drafters.py), whose trees are the first few matches, the
+tree holds the frequent continuations and its values say how far to trust them.
+
+:class:`HybridDrafter` merges a copy tree and a drafter's tree (any drafter: a trained kind, a draft
+model) into one verification tree per step:
+
+- Each source's node values are calibrated per request: a running ratio of the source's accepted nodes
+  to the sum of the values it predicted for the nodes verified (one pseudo-count ``prior`` at 1), so a
+  node's value estimates the probability that the target accepts it. A drafter whose trees carry no
+  values (Medusa) counts each node as 1 before calibration: its node acceptance rate.
+- The two trees are merged as a trie (a path both propose is one path, valued by the larger value);
+  the nodes with the highest values fill the node budget, so the budget is split by each source's
+  expected accepted tokens; then the set is cut to the size that pays on this machine's verify-cost
+  curve (:class:`~selfdraft.inference.schedule.VerifySchedule`, the drafter's cost counted when it ran).
+- The drafter's forward is skipped when the copy tree already makes it not worth its cost: it runs only
+  while (1 - c) * g * T(1) > D, with c the copy's best calibrated depth-1 value, g the drafter's
+  running accepted tokens per step it ran, T(1) a plain step's cost and D its measured proposal cost
+  (and at least once every ``probe_every`` steps, so g follows the request).
+
+All decisions read the sequence and what the target accepted, never a clock during decoding, so a
+seeded sampled run is reproducible. Exact like every drafter: the merged tree is a tree of distinct
+children whose tokens do not depend on the target's pending step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from selfdraft.configs.decode import CopyConfig, HybridConfig
+from selfdraft.inference.drafters import Drafter, Verified
+from selfdraft.inference.schedule import COST_TOKENS, VerifySchedule, draft_cost, verify_cost
+from selfdraft.inference.tree import DraftTree
+
+COPY, MODEL = 0, 1  # the two sources of a hybrid tree
+
+
+def longest_suffix_match(seq: np.ndarray, max_pattern: int) -> tuple[int, np.ndarray]:
+    """(n, ends): the longest n <= ``max_pattern`` such that the last n tokens of ``seq`` occurred
+    earlier, and the index of the last token of each earlier occurrence (ascending); (0, empty) when
+    even the last token is new."""
+    t = seq.size
+    if t < 2:
+        return 0, np.empty(0, dtype=np.int64)
+    ends = np.flatnonzero(seq[:-1] == seq[-1])
+    n = 1 if ends.size else 0
+    while ends.size and n < min(max_pattern, t - 1):
+        ends_longer = ends[ends >= n]
+        ends_longer = ends_longer[seq[ends_longer - n] == seq[t - 1 - n]]
+        if not ends_longer.size:
+            break
+        ends, n = ends_longer, n + 1
+    return n, ends
+
+
+class CopyDrafter(Drafter):
+    """Copies the frequent continuations of the longest earlier occurrence of the sequence's suffix
+    (see the module docstring); its trees carry the continuation frequencies as node values."""
+
+    name = "copy"
+
+    def __init__(self, config: CopyConfig = CopyConfig()):
+        self.config = config
+        self.max_nodes = self.valued_nodes = config.max_nodes
+
+    def propose(self, state, sequence):
+        cfg = self.config
+        seq = np.asarray(sequence, dtype=np.int64)
+        n, ends = longest_suffix_match(seq, cfg.max_pattern)
+        if n == 0:
+            return DraftTree.empty(), state
+        ends = ends[-cfg.max_occurrences:]
+        tokens: list[int] = []
+        parents: list[int] = []
+        counts: list[int] = []
+        index: dict[tuple[int, int], int] = {}
+        for e in ends.tolist():
+            parent = -1
+            for tok in seq[e + 1 : e + 1 + cfg.depth].tolist():
+                node = index.get((parent, tok))
+                if node is None:
+                    node = index[(parent, tok)] = len(tokens)
+                    tokens.append(tok)
+                    parents.append(parent)
+                    counts.append(0)
+                counts[node] += 1
+                parent = node
+        smoothing = 1.0 / n
+        values = []
+        for i, p in enumerate(parents):  # parents come before their children
+            above, parent_count = (1.0, ends.size) if p < 0 else (values[p], counts[p])
+            values.append(above * counts[i] / (parent_count + smoothing))
+        return valued_tree(tokens, parents, values, cfg.max_nodes, cfg.min_value), state
+
+
+def valued_tree(tokens: list[int], parents: list[int], values: list[float], max_nodes: int,
+                min_value: float = 0.0) -> DraftTree:
+    """The ``max_nodes`` highest-valued nodes (at least ``min_value``) of a tree whose values do not rise
+    along a path, as a tree (parents first; ties keep the earlier node, so the set is closed under ancestors)."""
+    order = sorted((i for i in range(len(tokens)) if values[i] >= min_value), key=lambda i: (-values[i], i))[:max_nodes]
+    if not order:
+        return DraftTree.empty()
+    depth = [0] * len(tokens)
+    for i, p in enumerate(parents):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+    keep = sorted(order, key=lambda i: (depth[i], -values[i], i))
+    remap = {old: new for new, old in enumerate(keep)}
+    return DraftTree.from_lists([tokens[i] for i in keep], [remap[parents[i]] if parents[i] >= 0 else -1 for i in keep],
+                                [values[i] for i in keep])
+
+
+@dataclass
+class _Calibration:
+    """A source's running accepted / predicted node ratio (started at 1 with ``prior`` pseudo-counts)."""
+
+    accepted: float
+    predicted: float
+
+    @property
+    def ratio(self) -> float:
+        return self.accepted / self.predicted
+
+
+@dataclass
+class HybridState:
+    copy: Any
+    model: Any
+    calibration: tuple[_Calibration, _Calibration]
+    gain: float = 0.0  # running accepted tokens the drafter proposed, per step it ran (weighted sum)
+    runs: float = 0.0  # the running count those are divided by
+    since_run: int = 0  # steps since the drafter last ran
+    model_ran: bool = False
+    tree: DraftTree = field(default_factory=DraftTree.empty)  # the last proposal
+    raw: list[float] = field(default_factory=list)  # per node of ``tree``: the uncalibrated value of each source
+    sources: list[tuple[float | None, float | None]] = field(default_factory=list)
+    model_steps: int = 0  # proposals in which the drafter ran
+    steps: int = 0
+
+
+class HybridDrafter(Drafter):
+    """One verification tree per step from a copy tree and ``model``'s tree (see the module docstring).
+
+    schedule: the cut by this machine's cost curve (its ``draft_seconds`` is ignored: the drafter's cost
+        ``model_seconds`` is counted on the steps it runs); None keeps the ``max_nodes`` best nodes.
+    model_seconds: the drafter's measured proposal cost (0 with no schedule: it then runs every step).
+    """
+
+    name = "hybrid"
+
+    def __init__(self, model: Drafter, copy: CopyDrafter | None = None, config: HybridConfig = HybridConfig(), *,
+                 schedule: VerifySchedule | None = None, model_seconds: float = 0.0, probe_every: int = 8):
+        self.model, self.copy, self.config = model, copy or CopyDrafter(), config
+        self.name = f"hybrid({model.name})"
+        self.hidden_layers = model.hidden_layers
+        self.max_nodes = config.max_nodes
+        self.schedule, self.model_seconds, self.probe_every = schedule, model_seconds, probe_every
+
+    def start(self, prompt_ids, prefill):
+        prior = self.config.prior
+        return HybridState(self.copy.start(prompt_ids, prefill), self.model.start(prompt_ids, prefill),
+                           (_Calibration(prior, prior), _Calibration(prior, prior)))
+
+    def _model_pays(self, state: HybridState, copy_first: float) -> bool:
+        if self.schedule is None or state.runs == 0 or state.since_run + 1 >= self.probe_every:
+            return True
+        gain = state.gain / state.runs
+        return (1.0 - copy_first) * gain * self.schedule.cost(1) > self.model_seconds
+
+    def propose(self, state: HybridState, sequence):
+        copy_tree, state.copy = self.copy.propose(state.copy, sequence)
+        r_copy, r_model = (c.ratio for c in state.calibration)
+        copy_values = [min(1.0, r_copy * v) for v in copy_tree.values or ()]
+        copy_first = max((v for v, p in zip(copy_values, copy_tree.parent_ids) if p < 0), default=0.0)
+        state.model_ran = self._model_pays(state, copy_first)
+        model_tree = DraftTree.empty()
+        if state.model_ran:
+            model_tree, state.model = self.model.propose(state.model, sequence)
+            state.since_run, state.model_steps = 0, state.model_steps + 1
+        else:
+            state.since_run += 1
+        state.steps += 1
+        model_raw = list(model_tree.values) if model_tree.values is not None else [1.0] * model_tree.num_nodes
+
+        # Merge the two trees as a trie: node -> (token, parent, raw value per source).
+        tokens: list[int] = []
+        parents: list[int] = []
+        raw: list[list[float | None]] = []
+        index: dict[tuple[int, int], int] = {}
+        for source, tree, values in ((COPY, copy_tree, copy_tree.values or ()), (MODEL, model_tree, model_raw)):
+            mapped: list[int] = []
+            for tok, p, v in zip(tree.token_ids, tree.parent_ids, values):
+                parent = mapped[p] if p >= 0 else -1
+                node = index.get((parent, tok))
+                if node is None:
+                    node = index[(parent, tok)] = len(tokens)
+                    tokens.append(tok)
+                    parents.append(parent)
+                    raw.append([None, None])
+                raw[node][source] = v
+                mapped.append(node)
+        values = []
+        for i, p in enumerate(parents):  # parents first; a path is accepted no more often than its prefix
+            v = max(min(1.0, r * x) for r, x in zip((r_copy, r_model), raw[i]) if x is not None)
+            values.append(v if p < 0 else min(v, values[p]))
+        tree = valued_tree(tokens, parents, values, self.config.max_nodes)
+        kept = _kept_nodes(tokens, parents, tree)
+        if self.schedule is not None and tree.num_nodes:
+            cut = VerifySchedule(self.schedule.cost, self.model_seconds if state.model_ran else 0.0)
+            m, keep = cut.best_size(list(tree.values))
+            if m < tree.num_nodes:
+                tree, kept = tree.subtree(keep), [kept[i] for i in keep]
+        state.tree = tree
+        state.sources = [tuple(raw[i]) for i in kept]
+        return tree, state
+
+    def observe(self, state: HybridState, verified: Verified):
+        state.copy = self.copy.observe(state.copy, verified)
+        state.model = self.model.observe(state.model, verified)
+        tree, accepted = state.tree, verified.tokens[:-1]
+        if tree.num_nodes == 0 and not state.model_ran:  # nothing proposed, or a step the throttle skipped
+            return state
+        children: dict[tuple[int, int], int] = {(p, t): i for i, (t, p) in enumerate(zip(tree.token_ids, tree.parent_ids))}
+        hits = [0, 0]
+        node = -1
+        for tok in accepted:
+            node = children.get((node, tok), None)
+            if node is None:  # the step verified a tree the drafter did not propose (cannot happen in our decoder)
+                break
+            for s in (COPY, MODEL):
+                hits[s] += state.sources[node][s] is not None
+        m = self.config.memory
+        for s, cal in enumerate(state.calibration):
+            predicted = sum(src[s] for src in state.sources if src[s] is not None)
+            if predicted > 0:
+                cal.accepted = m * cal.accepted + hits[s]
+                cal.predicted = m * cal.predicted + predicted
+        if state.model_ran:
+            state.gain = m * state.gain + hits[MODEL]
+            state.runs = m * state.runs + 1
+        state.tree, state.sources, state.model_ran = DraftTree.empty(), [], False
+        return state
+
+
+def _kept_nodes(tokens: list[int], parents: list[int], tree: DraftTree) -> list[int]:
+    """For each node of ``tree`` (built by :func:`valued_tree` from these lists), its index in the lists."""
+    index = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents))}
+    kept: list[int] = []
+    for tok, p in zip(tree.token_ids, tree.parent_ids):
+        kept.append(index[(kept[p] if p >= 0 else -1, tok)])
+    return kept
+
+
+def hybrid_for(target, model: Drafter, config: HybridConfig = HybridConfig(), copy: CopyConfig = CopyConfig()) -> HybridDrafter:
+    """The hybrid of ``model`` and copy drafting for ``target``, with this machine's cost curve and
+    ``model``'s measured proposal cost (both cached: see inference/schedule.py)."""
+    cost = verify_cost(target, max(COST_TOKENS, config.max_nodes + 1))
+    return HybridDrafter(model, CopyDrafter(copy), config, schedule=VerifySchedule(cost),
+                         model_seconds=draft_cost(target, model))
