@@ -72,3 +72,27 @@ def model_card(*, engine: str, engine_name: str, title: str, target: dict[str, A
     lines += ["", f"## Serve it with {engine_name}", "", f"```{lang}", command, "```", ""]
     lines += ENGINE_NOTES.get(engine, [])
     return "\n".join(lines)
+
+
+PROFILE_FILE = "speculation_profile.json"
+"""A drafter's speculation schedule on one machine (``selfdraft costs --drafter``), carried by its exports."""
+
+
+def profile_section(profile: dict[str, Any], engine: str) -> str:
+    """The model card's section for a speculation profile: the schedule per batch size, where it was
+    measured, and (for vLLM) the setting that applies it."""
+    machine = profile.get("machine", {})
+    where = ", ".join(str(machine[k]) for k in ("cpu", "gpu") if machine.get(k)) or "this machine"
+    lines = ["", "## Speculation schedule", "",
+             f"Planned by `selfdraft costs --drafter` on {where} ({profile['cost_surface']['dtype']}, "
+             f"{profile['cost_surface']['device']}) from the held-out acceptance by position "
+             f"{' / '.join(f'{a:.2f}' for a in profile['acceptance_by_position'])} and the verify cost measured there "
+             f"(`{PROFILE_FILE}` holds the cost table). Another machine needs its own: rerun the command there.", "",
+             "| batch size | drafts per step | predicted speedup |", "|---|---|---|"]
+    lines += [f"| {e['batch']} | {e['tokens']} | {e['speedup']:.2f}x |" for e in profile["schedule"]]
+    if profile.get("drafting_off_above_batch") is not None:
+        lines += ["", f"Drafting does not pay above batch size {profile['drafting_off_above_batch']} here."]
+    if engine == "vllm":
+        lines += ["", "vLLM applies it per batch size with these speculative-config entries (merged into the "
+                  "`--speculative-config` above):", "", "```json", json.dumps(profile["vllm"]), "```"]
+    return "\n".join(lines) + "\n"

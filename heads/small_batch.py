@@ -12,13 +12,22 @@ own ``forward``. One row, more rows, other dtypes (bf16 takes a different kernel
 devices and autograd all take ``F.linear`` unchanged. The product is the same up to float32 rounding
 (another summation order, as any change of matrix-multiply kernel gives). The layers get an
 instance-level ``forward``: their class, parameters, state dict and hooks are untouched.
-``SELFDRAFT_SMALL_BATCH_MATMUL=0`` switches it off for a process, e.g. to measure what it buys.
+Whether it is faster depends on the processor: on some (AMD EPYC, with AVX-512) the general kernel's
+few-row cost is several one-row costs and the weight-first product stays near one; on others (Intel
+Xeon with AMX) the general kernel is the faster of the two at every row count. So by default (``auto``)
+:meth:`SmallBatchMatmul.apply` times both products once per process for each weight shape it meets and
+each row count the path serves (2, 3, 4, 5, 8, 16, 32, 64; counts in between take the next measured
+one), and a layer takes the weight-first product only at the row counts where it was at least 20%
+faster; a layer whose shape never gains is not wrapped. ``SELFDRAFT_SMALL_BATCH_MATMUL=1`` takes it
+at every count without timing (what the tests check), ``0`` switches it off for a process, e.g. to
+measure what it buys.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 import types
 
 import torch
@@ -36,17 +45,75 @@ counts the weight-first kernel handles at its best (others fall onto slower code
 ENV = "SELFDRAFT_SMALL_BATCH_MATMUL"
 
 
+MEASURED_ROWS = (2, 3, 4, 5, 8, 16, 32, 64)
+"""Row counts timed in ``auto`` mode; a padded count between two of them takes the next one's verdict."""
+_FAST: dict[tuple[int, int, int], frozenset[int]] = {}
+"""(out_features, in_features, torch threads) -> the padded row counts where the weight-first product
+was measured faster in this process (``auto`` mode)."""
+
+
+def mode() -> str:
+    """``auto`` (the default: where measured faster), ``on`` (every 2-64 row count) or ``off``, from
+    ``SELFDRAFT_SMALL_BATCH_MATMUL`` (``auto``, ``1``/``on``, ``0``/``off``)."""
+    value = os.environ.get(ENV, "auto").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    return "on" if value in ("1", "true", "yes", "on") else "auto"
+
+
 def enabled() -> bool:
     """Whether :meth:`SmallBatchMatmul.apply` wraps anything (``SELFDRAFT_SMALL_BATCH_MATMUL`` not 0)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return mode() != "off"
+
+
+def _padded(rows: int) -> int:
+    return rows if rows <= DIRECT_ROWS else -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def _best_time(fn, reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _measure_fast_rows(out_features: int, in_features: int) -> frozenset[int]:
+    """The measured row counts (padded) at which the weight-first product beats ``F.linear`` by 20% (a
+    smaller margin is within what a whole forward, with its weights out of cache, does not keep)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    fast = set()
+    with torch.inference_mode():
+        for rows in MEASURED_ROWS:
+            x = torch.randn(rows, in_features, generator=generator)
+            general = _best_time(lambda: F.linear(x, weight))
+            weight_first = _best_time(lambda: torch.matmul(weight, x.t()).t().contiguous())
+            if weight_first < 0.8 * general:
+                fast.add(rows)
+    return frozenset(fast)
+
+
+def fast_rows(out_features: int, in_features: int) -> frozenset[int]:
+    """The padded row counts that take the weight-first product for this weight shape (``auto`` mode:
+    measured once per process and thread count)."""
+    key = (out_features, in_features, torch.get_num_threads())
+    if key not in _FAST:
+        measured = _measure_fast_rows(out_features, in_features)
+        _FAST[key] = frozenset(p for p in range(2, MAX_ROWS + 1)
+                               if next(r for r in MEASURED_ROWS if r >= p) in measured)
+    return _FAST[key]
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // self.in_features if x.dim() >= 2 else 1
-    if (2 <= rows <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+    if (2 <= rows <= MAX_ROWS and (mode() == "on" or _padded(rows) in fast_rows(self.out_features, self.in_features))
+            and x.dtype == torch.float32 and x.device.type == "cpu"
             and self.weight.dtype == torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
         flat = x.reshape(rows, self.in_features)
-        padded = rows if rows <= DIRECT_ROWS else -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+        padded = _padded(rows)
         if padded != rows:
             flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])
         y = torch.matmul(self.weight, flat.t()).t()[:rows].contiguous()
@@ -87,15 +154,25 @@ class SmallBatchMatmul:
             return cls([], name)
         linear = [m for m in module.modules() if type(m) is nn.Linear and not _is_wrapped(m)]
         layers = [m for m in linear if "forward" not in m.__dict__]
+        slower = []
+        if mode() == "auto" and layers:
+            measured = [m for m in layers if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+            slower = [m for m in measured if not fast_rows(m.out_features, m.in_features)]
+            layers = [m for m in layers if all(m is not s for s in slower)]
         for layer in layers:
             layer.forward = types.MethodType(_forward, layer)
+        # A forward someone else set on the instance (accelerate's offloading hooks) is theirs: left alone.
+        skipped = len(linear) - len(layers) - len(slower)
+        foreign = f"; {skipped} with a forward of their own left as they are" if skipped else ""
+        kept = f"; {len(slower)} where it was not faster here keep F.linear" if slower else ""
+        where = "rows where it was measured faster here, of" if mode() == "auto" else "every count of"
         if layers:
-            # A forward someone else set on the instance (accelerate's offloading hooks) is theirs: left alone.
-            skipped = len(linear) - len(layers)
-            foreign = f"; {skipped} with a forward of their own left as they are" if skipped else ""
-            logger.info("few-row float32 kernel on %d linear layers of %s%s, faster on a CPU for 2-%d rows%s "
-                        "(%s=0 turns it off)", len(layers), name, f" for {reason}" if reason else "", MAX_ROWS,
-                        foreign, ENV)
+            logger.info("few-row float32 kernel on %d linear layers of %s%s, for the %s 2-%d rows%s%s "
+                        "(%s=0 turns it off, =1 takes it without timing)", len(layers), name,
+                        f" for {reason}" if reason else "", where, MAX_ROWS, kept, foreign, ENV)
+        elif slower:
+            logger.info("few-row float32 kernel not applied to %s: the general kernel was as fast or faster here "
+                        "for its %d linear layers' shapes (%s=1 forces it)", name, len(slower), ENV)
         return cls(layers, name)
 
     def remove(self) -> None:
@@ -130,3 +207,14 @@ def use_small_batch_matmul(module: nn.Module, *, reason: str = "") -> SmallBatch
 def uses_small_batch_matmul(module: nn.Module) -> bool:
     """Whether any ``nn.Linear`` in ``module`` has the few-row path."""
     return any(_is_wrapped(layer) for layer in module.modules() if isinstance(layer, nn.Linear))
+
+
+def kernel_signature(module: nn.Module) -> str:
+    """Which products ``module``'s linear layers take for few rows (the mode, and per wrapped shape the row
+    counts of the weight-first product): part of the key of every cost measured with it."""
+    wrapped = sorted({(m.out_features, m.in_features) for m in module.modules()
+                      if isinstance(m, nn.Linear) and _is_wrapped(m)})
+    if mode() == "on":
+        return f"on:{wrapped}"
+    return f"{mode()}:" + ";".join(f"{o}x{i}:{sorted(fast_rows(o, i))}" for o, i in wrapped)
+

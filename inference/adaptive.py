@@ -4,7 +4,8 @@ and look again now and then once it stops paying.
 A drafted step costs the drafter's proposal D plus one target forward over the root and the n nodes
 verified, T(n + 1), and emits 1 + (accepted drafts) tokens; a plain step costs T(1) and emits one.
 Both costs come from this machine's measured cost curve (:class:`~selfdraft.inference.schedule.VerifyCost`)
-and the drafter's measured proposal time, never from a clock read during decoding: the decisions then
+and the drafter's measured proposal time (or, for a drafter whose cost varies from step to step, such as
+a hybrid that skips its drafter, the modelled cost it reports), never from a clock read during decoding: the decisions then
 depend only on what the target accepted, so a seeded sampled run is reproducible.
 
 :class:`Throttle` keeps running means (exponentially weighted, over about the last 20 drafted steps) of
@@ -25,7 +26,7 @@ token, and the next :meth:`~selfdraft.inference.drafters.Drafter.propose` catche
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.schedule import COST_TOKENS, VerifyCost, draft_cost, verify_cost
@@ -52,6 +53,8 @@ class Throttle:
     """Plain steps before the first probe once drafting stopped paying."""
     longest_wait: int = 64
     """The most plain steps between two probes."""
+    learnt: "Learnt" = field(default_factory=lambda: Learnt(), compare=False, repr=False)
+    """What the requests decoded with this throttle so far learnt: the next request starts from it."""
 
     def __post_init__(self):
         if not 0.0 <= self.slack < 1.0:
@@ -73,8 +76,23 @@ class Throttle:
         return self.cost(nodes + 1) + self.draft_seconds
 
 
+@dataclass
+class Learnt:
+    """Running means over every drafted step of the requests a throttle has seen (same weights as a
+    request's own), so that a request does not spend its first steps relearning a drafter that did not
+    pay on the requests before it."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    drafted: int = 0
+
+
 class ThrottleState:
-    """One request's running estimate of what drafting buys, and its decisions."""
+    """One request's running estimate of what drafting buys, and its decisions.
+
+    The first request of a throttle drafts its first ``min_drafted`` steps. A later one starts from what
+    the earlier ones learnt: drafting while that pays, else plain steps and a first probe after
+    ``2 * first_wait`` of them (a new prompt may suit the drafter better than the last ones did)."""
 
     def __init__(self, throttle: Throttle):
         self.throttle = throttle
@@ -85,6 +103,11 @@ class ThrottleState:
         self.probes = 0
         self.wait = 0  # plain steps left before the next probe
         self.interval = throttle.first_wait
+        learnt = throttle.learnt
+        if learnt.drafted >= throttle.min_drafted:
+            self.tokens, self.seconds, self.drafted = learnt.tokens, learnt.seconds, throttle.min_drafted
+            if not self.pays():
+                self.wait = self.interval = min(2 * throttle.first_wait, throttle.longest_wait)
 
     def pays(self) -> bool:
         """Do drafted steps emit tokens faster than plain ones, by the running means?"""
@@ -101,15 +124,21 @@ class ThrottleState:
         self.probes += 1
         return True
 
-    def record(self, nodes: int, emitted: int) -> None:
-        """A drafted step verified ``nodes`` draft nodes and emitted ``emitted`` tokens (accepted + 1)."""
+    def record(self, nodes: int, emitted: int, draft_seconds: float | None = None) -> None:
+        """A drafted step verified ``nodes`` draft nodes and emitted ``emitted`` tokens (accepted + 1);
+        ``draft_seconds``: its proposal's modelled cost where the drafter gives one (else the measured constant)."""
         t = self.throttle
         paid_before = self.drafted < t.min_drafted or self.pays()  # what should_draft saw
-        seconds = t.step_cost(nodes)
+        seconds = t.step_cost(nodes) if draft_seconds is None else t.cost(nodes + 1) + draft_seconds
         self.drafted += 1
         w = max(1.0 - t.memory, 1.0 / self.drafted)
         self.tokens += w * (emitted - self.tokens)
         self.seconds += w * (seconds - self.seconds)
+        learnt = t.learnt
+        learnt.drafted += 1
+        w = max(1.0 - t.memory, 1.0 / learnt.drafted)
+        learnt.tokens += w * (emitted - learnt.tokens)
+        learnt.seconds += w * (seconds - learnt.seconds)
         if self.drafted < t.min_drafted or self.pays():
             self.interval = t.first_wait
         elif paid_before:  # it just stopped paying: plain steps, then a first probe

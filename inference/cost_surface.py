@@ -168,9 +168,11 @@ def cost_surface(target, batch_sizes, tokens, cache_dir: str | os.PathLike | Non
     (written atomically; a damaged file is measured again)."""
     model = target.model
     batch_sizes, tokens = tuple(sorted(set(batch_sizes))), tuple(sorted(set(tokens)))
+    from selfdraft.heads.small_batch import kernel_signature
+
     key = json.dumps({"machine": describe(str(model.device)), "target": target.identity.to_dict(), "dtype": str(model.dtype),
-                      "device": str(model.device), "batch_sizes": batch_sizes, "tokens": tokens, "context": COST_CONTEXT},
-                     sort_keys=True, default=str)
+                      "device": str(model.device), "batch_sizes": batch_sizes, "tokens": tokens, "context": COST_CONTEXT,
+                      "few_row_kernel": kernel_signature(model)}, sort_keys=True, default=str)
     root = pathlib.Path(os.path.expanduser(cache_dir or os.environ.get("SELFDRAFT_CACHE") or "~/.cache/selfdraft"))
     path = root / "costs" / f"surface-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():

@@ -159,7 +159,7 @@ def speculative_decode(
         keep = [0] + accepted
         session.commit(keep)
         if gate is not None and drafting:
-            gate.record(tree.num_nodes, len(keep))
+            gate.record(tree.num_nodes, len(keep), drafter.step_seconds(state))
 
         new = [tree.token_ids[i - 1] for i in accepted] + [bonus]
         for i, tok in enumerate(new):

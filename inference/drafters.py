@@ -85,6 +85,11 @@ class Drafter(ABC):
         """Update the state after a verification step committed ``verified.tokens``."""
         return state
 
+    def step_seconds(self, state: Any) -> float | None:
+        """The modelled cost of the proposal just made, for a drafter whose cost varies from step to step
+        (a hybrid that skipped its drafter's forward); None: its measured constant cost applies."""
+        return None
+
 
 class NoDrafter(Drafter):
     """The vanilla baseline: no draft, one token per target forward, through the same loop."""

@@ -19,10 +19,13 @@ model) into one verification tree per step:
   the nodes with the highest values fill the node budget, so the budget is split by each source's
   expected accepted tokens; then the set is cut to the size that pays on this machine's verify-cost
   curve (:class:`~selfdraft.inference.schedule.VerifySchedule`, the drafter's cost counted when it ran).
-- The drafter's forward is skipped when the copy tree already makes it not worth its cost: it runs only
-  while (1 - c) * g * T(1) > D, with c the copy's best calibrated depth-1 value, g the drafter's
-  running accepted tokens per step it ran, T(1) a plain step's cost and D its measured proposal cost
-  (and at least once every ``probe_every`` steps, so g follows the request).
+- The drafter's forward is skipped when the copy tree already makes it not worth its cost: it runs while
+  the tokens it would add, (1 - c) * g, are a larger share of the copy tree's tokens (1 + the sum of its
+  values) than its cost, D + T(n + k + 1) - T(n + 1), is of the copy step's cost T(n + 1); c is the
+  copy's best calibrated depth-1 value, g the drafter's running count of accepted tokens copying had
+  not proposed, per step it ran, D its measured proposal cost, n and k the copy's and the drafter's
+  node counts, T the cost curve. It also runs at least once every ``probe_every`` steps, so g follows
+  the request.
 
 All decisions read the sequence and what the target accepted, never a clock during decoding, so a
 seeded sampled run is reproducible. Exact like every drafter: the merged tree is a tree of distinct
@@ -135,7 +138,7 @@ class HybridState:
     copy: Any
     model: Any
     calibration: tuple[_Calibration, _Calibration]
-    gain: float = 0.0  # running accepted tokens the drafter proposed, per step it ran (weighted sum)
+    gain: float = 0.0  # running accepted tokens only the drafter proposed, per step it ran (weighted sum)
     runs: float = 0.0  # the running count those are divided by
     since_run: int = 0  # steps since the drafter last ran
     model_ran: bool = False
@@ -169,18 +172,26 @@ class HybridDrafter(Drafter):
         return HybridState(self.copy.start(prompt_ids, prefill), self.model.start(prompt_ids, prefill),
                            (_Calibration(prior, prior), _Calibration(prior, prior)))
 
-    def _model_pays(self, state: HybridState, copy_first: float) -> bool:
+    def _model_pays(self, state: HybridState, copy_values: list[float], copy_first: float) -> bool:
+        """Does running the drafter raise this step's rate? It adds about (1 - c) * g tokens (g: the tokens
+        only its nodes brought, per step it ran) for its cost D and the verification of its nodes; the
+        copy tree alone emits 1 + its values' sum for T(its nodes + 1). Worth it when the added tokens
+        are a larger share of the step's tokens than the added cost is of the step's cost."""
         if self.schedule is None or state.runs == 0 or state.since_run + 1 >= self.probe_every:
             return True
-        gain = state.gain / state.runs
-        return (1.0 - copy_first) * gain * self.schedule.cost(1) > self.model_seconds
+        cost = self.schedule.cost
+        n = min(len(copy_values), self.config.max_nodes)
+        copy_tokens = 1.0 + sum(sorted(copy_values, reverse=True)[:n])
+        extra_cost = self.model_seconds + cost(min(n + self.model.max_nodes, self.config.max_nodes) + 1) - cost(n + 1)
+        gain = (1.0 - copy_first) * state.gain / state.runs
+        return gain * cost(n + 1) > copy_tokens * extra_cost
 
     def propose(self, state: HybridState, sequence):
         copy_tree, state.copy = self.copy.propose(state.copy, sequence)
         r_copy, r_model = (c.ratio for c in state.calibration)
         copy_values = [min(1.0, r_copy * v) for v in copy_tree.values or ()]
         copy_first = max((v for v, p in zip(copy_values, copy_tree.parent_ids) if p < 0), default=0.0)
-        state.model_ran = self._model_pays(state, copy_first)
+        state.model_ran = self._model_pays(state, copy_values, copy_first)
         model_tree = DraftTree.empty()
         if state.model_ran:
             model_tree, state.model = self.model.propose(state.model, sequence)
@@ -222,6 +233,11 @@ class HybridDrafter(Drafter):
         state.sources = [tuple(raw[i]) for i in kept]
         return tree, state
 
+    def step_seconds(self, state: HybridState) -> float:
+        """The drafter's measured cost on the steps it ran, nothing on the others (copying costs well
+        under a millisecond)."""
+        return self.model_seconds if state.model_ran else 0.0
+
     def observe(self, state: HybridState, verified: Verified):
         state.copy = self.copy.observe(state.copy, verified)
         state.model = self.model.observe(state.model, verified)
@@ -230,6 +246,7 @@ class HybridDrafter(Drafter):
             return state
         children: dict[tuple[int, int], int] = {(p, t): i for i, (t, p) in enumerate(zip(tree.token_ids, tree.parent_ids))}
         hits = [0, 0]
+        model_only = 0  # accepted nodes copying did not propose: what the drafter added
         node = -1
         for tok in accepted:
             node = children.get((node, tok), None)
@@ -237,6 +254,7 @@ class HybridDrafter(Drafter):
                 break
             for s in (COPY, MODEL):
                 hits[s] += state.sources[node][s] is not None
+            model_only += state.sources[node][COPY] is None
         m = self.config.memory
         for s, cal in enumerate(state.calibration):
             predicted = sum(src[s] for src in state.sources if src[s] is not None)
@@ -244,7 +262,7 @@ class HybridDrafter(Drafter):
                 cal.accepted = m * cal.accepted + hits[s]
                 cal.predicted = m * cal.predicted + predicted
         if state.model_ran:
-            state.gain = m * state.gain + hits[MODEL]
+            state.gain = m * state.gain + model_only
             state.runs = m * state.runs + 1
         state.tree, state.sources, state.model_ran = DraftTree.empty(), [], False
         return state

@@ -134,10 +134,12 @@ def measure_verify_cost(target, max_tokens: int, *, context: int = COST_CONTEXT,
 
 def cost_cache_path(target, max_tokens: int, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Where the cost curve of ``target`` on this machine is cached."""
+    from selfdraft.heads.small_batch import kernel_signature
+
     model = target.model
     key = json.dumps({"machine": describe(str(model.device)), "target": target.identity.to_dict(),
                       "dtype": str(model.dtype), "device": str(model.device), "max_tokens": max_tokens,
-                      "context": COST_CONTEXT}, sort_keys=True, default=str)
+                      "context": COST_CONTEXT, "few_row_kernel": kernel_signature(model)}, sort_keys=True, default=str)
     root = pathlib.Path(os.path.expanduser(cache_dir or os.environ.get("SELFDRAFT_CACHE") or "~/.cache/selfdraft"))
     return root / "costs" / f"{target.identity.name.replace('/', '_')}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 

@@ -376,6 +376,10 @@ def _add_costs(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on a CPU), float32, bfloat16, float16")
     p.add_argument("--out", default="costs", help="folder for costs.json and costs.png (default: %(default)s)")
+    p.add_argument("--drafter", default=None, help="a native drafter folder: also plan its speculation schedule (best "
+                   "chain length per batch size from its held-out acceptance by position, these costs and its measured "
+                   "drafting cost), print it with vLLM's num_speculative_tokens_per_batch_size, and write "
+                   "speculation_profile.json to --out and into the drafter folder (its exports then carry it)")
     p.set_defaults(func=_run_costs)
 
 
@@ -397,6 +401,18 @@ def _run_costs(args) -> int:
     print(f"verify cost of {surface.target} ({surface.dtype}, {surface.device}, {surface.context} tokens cached per row):\n")
     print(surface.table())
     print(f"\nwritten: {out / 'costs.json'}, {plot}")
+    if args.drafter:
+        from selfdraft.inference.speculation import write_drafter_profile
+
+        profile, table, written = write_drafter_profile(args.drafter, target, surface, out)
+        print(f"\nspeculation schedule of {args.drafter} (held-out acceptance by position "
+              f"{' / '.join(f'{a:.2f}' for a in profile['acceptance_by_position'])}):\n")
+        print(table)
+        off = profile["drafting_off_above_batch"]
+        if off is not None:
+            print(f"\ndrafting is off above batch {off}")
+        print(f"\nvLLM: --speculative-config '{json.dumps(profile['vllm'])}' (merged into the drafter's own)")
+        print(f"written: {', '.join(str(w) for w in written)}")
     return 0
 
 

@@ -37,11 +37,12 @@ def linear_cost(base: float = 1.0, per_token: float = 0.05, sizes: int = 64) -> 
 def simulate(throttle: Throttle, accepted, steps: int, nodes: int = 4) -> list[int]:
     """The steps (0-based) a request drafts when a drafted step i accepts ``accepted(i)`` drafts."""
     state, drafted = throttle.start(), []
+    before = state.drafted  # a request after the first starts with what earlier ones learnt
     for i in range(steps):
         if state.should_draft():
             drafted.append(i)
             state.record(nodes, 1 + accepted(i))
-    assert state.drafted == len(drafted) and state.skipped == steps - len(drafted)
+    assert state.drafted - before == len(drafted) and state.skipped == steps - len(drafted)
     return drafted
 
 
@@ -95,6 +96,22 @@ def test_bad_throttle_settings_and_modes_are_refused():
         throttle_for(None, NoDrafter(), "sometimes")
     assert throttle_for(None, NoDrafter(), "on") is None  # nothing to throttle
     assert throttle_for(None, PromptLookupDrafter(), "off") is None
+
+
+def test_a_later_request_starts_from_what_earlier_ones_learnt():
+    """A drafter that never paid on the first request is not given min_drafted steps again: the second
+    request decodes plain from its start and probes after 2 * first_wait steps; one that paid keeps
+    drafting from the first step."""
+    never = Throttle(linear_cost(), 0.1)
+    first = simulate(never, lambda i: 0, 100)
+    second = simulate(never, lambda i: 0, 100)
+    assert first[:8] == list(range(8)) and second[0] == 8 and len(second) < len(first) - 6, (first, second)
+    assert never.learnt.drafted == len(first) + len(second)
+    pays = Throttle(linear_cost(), 0.1)
+    simulate(pays, lambda i: 2, 50)
+    assert simulate(pays, lambda i: 2, 50) == list(range(50))
+    fresh = Throttle(linear_cost(), 0.1)  # each throttle learns on its own
+    assert simulate(fresh, lambda i: 0, 100) == first
 
 
 # --- exactness on a tiny random Llama -----------------------------------------------------------------
@@ -172,8 +189,8 @@ def test_every_drafter_stays_exact_under_the_throttle(target):
     }
     # Verifying costs little more than one token, drafting a fifth of a forward: a drafter pays from
     # about 1.3 tokens a step.
-    throttle = Throttle(linear_cost(1.0, 0.02), 0.2)
     for name, drafter in drafters.items():
+        throttle = Throttle(linear_cost(1.0, 0.02), 0.2)  # one per drafter: it learns across its requests
         session = CausalLMSession(target, hidden_layers=drafter.hidden_layers)
         out = speculative_decode(session, prompt, drafter, DecodeConfig(max_new_tokens=n), throttle=throttle)
         assert out.token_ids == ref, f"{name}: first divergence at " \

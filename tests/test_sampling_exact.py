@@ -23,6 +23,8 @@ about), and the right walk that forgets to renormalise the residual.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import time
 from collections import Counter
@@ -266,13 +268,15 @@ class Samples:
 def sample_counts(make_session, drafter, sampling: Sampling, n: int, *, rule=sample_verify, seed0=0, schedule=None,
                   throttle=None) -> Samples:
     """The continuations of ``n`` independent runs of the decoding loop (seeds seed0 .. seed0 + n - 1),
-    its trees cut by ``schedule`` and its steps throttled by ``throttle`` if given."""
+    its trees cut by ``schedule`` and its steps throttled by ``throttle`` if given (a fresh copy per run,
+    nothing learnt from the runs before: each run is a first request)."""
     samples = Samples(np.zeros(VOCAB**NEW_TOKENS, dtype=np.int64), Counter(), Counter())
     for i in range(n):
         config = DecodeConfig(max_new_tokens=NEW_TOKENS, temperature=sampling.temperature, top_k=sampling.top_k,
                               top_p=sampling.top_p, seed=seed0 + i, stop_on_eos=False)
+        fresh = None if throttle is None else dataclasses.replace(throttle, learnt=type(throttle.learnt)())
         out = speculative_decode(make_session(), PROMPT, drafter, config, sample_rule=rule, schedule=schedule,
-                                 throttle=throttle)
+                                 throttle=fresh)
         assert len(out.token_ids) == NEW_TOKENS, out
         samples.counts[np.ravel_multi_index(tuple(out.token_ids), (VOCAB,) * NEW_TOKENS)] += 1
         samples.drafted.update(out.stats.depth_drafted)

@@ -9,6 +9,12 @@ from torch import nn
 from selfdraft.heads import small_batch
 
 
+@pytest.fixture(autouse=True)
+def always(monkeypatch):
+    """The path at every 2-64 row count, without timing (the default, ``auto``, times it: see the last test)."""
+    monkeypatch.setenv(small_batch.ENV, "1")
+
+
 def _layer(bias: bool, dtype=torch.float32) -> nn.Linear:
     torch.manual_seed(0)
     layer = nn.Linear(24, 40, bias=bias).to(dtype)
@@ -149,3 +155,36 @@ def test_load_target_applies_it_visibly_and_can_take_it_off(tiny_target):
 
     assert load_target(str(tiny_target), dtype="bfloat16").small_batch is None  # bf16 forwards never take it
     assert len(load_target(str(tiny_target), dtype="bfloat16", small_batch_kernel=True).small_batch) > 0
+
+
+def test_auto_takes_the_path_only_where_it_was_measured_faster(monkeypatch, linear_calls, caplog):
+    """``auto`` (the default) times both products per weight shape and row count once per process; a
+    layer takes the weight-first product only at the counts where it won, and a shape that never wins
+    is not wrapped."""
+    monkeypatch.delenv(small_batch.ENV)
+    assert small_batch.mode() == "auto"
+    monkeypatch.setattr(small_batch, "_FAST", {})
+    timed = []
+
+    def scripted(out_features, in_features):  # the 24 -> 40 shape wins up to 4 rows; the 40 -> 24 shape never
+        timed.append((out_features, in_features))
+        return frozenset({2, 3, 4}) if (out_features, in_features) == (40, 24) else frozenset()
+
+    monkeypatch.setattr(small_batch, "_measure_fast_rows", scripted)
+    wins, loses = nn.Linear(24, 40).requires_grad_(False), nn.Linear(40, 24).requires_grad_(False)
+    with caplog.at_level("INFO", logger="selfdraft"):
+        handle = small_batch.use_small_batch_matmul(nn.Sequential(wins, loses))
+    assert len(handle) == 1 and small_batch._is_wrapped(wins) and not small_batch._is_wrapped(loses)
+    assert "1 where it was not faster here keep F.linear" in caplog.text
+    with torch.inference_mode():
+        for rows in (3, 4, 6, 9):
+            x = torch.randn(rows, 24)
+            torch.testing.assert_close(wins(x), x @ wins.weight.t() + wins.bias, rtol=1e-5, atol=1e-5)
+    assert linear_calls == [6, 9]  # 2-4 rows took the weight-first product; 6 (padded to 8) and 9 did not
+    assert sorted(timed) == [(24, 40), (40, 24)]  # once per shape: layers of a shape share the verdict
+    small_batch.use_small_batch_matmul(nn.Linear(24, 40))
+    assert len(timed) == 2
+    monkeypatch.undo()  # a real measurement answers with row counts the path serves
+    measured = small_batch._measure_fast_rows(16, 8)
+    assert measured <= set(small_batch.MEASURED_ROWS)
+

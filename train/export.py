@@ -12,6 +12,7 @@ Medusa with a shared LM head, the reference EAGLE code's embedding) loads the ta
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import shutil
@@ -23,6 +24,7 @@ from selfdraft import __version__
 from selfdraft.configs.schema import to_dict
 from selfdraft.errors import SelfdraftError
 from selfdraft.files import as_if_created
+from selfdraft.heads.cards import PROFILE_FILE, profile_section
 from selfdraft.heads.io import DrafterRecord, is_drafter_folder, load_drafter, read_record, save_drafter
 from selfdraft.heads.kinds import ExportContext, export_formats, get_kind
 from selfdraft.train import checkpoint as ckpt
@@ -164,4 +166,15 @@ def export(source: str | os.PathLike, fmt: str, out: str | os.PathLike, target: 
     module, record = load_drafter(source)
     context = ExportContext(record=record, out=pathlib.Path(out).resolve(), target_path=str(target_folder(spec) or spec),
                             load_target=load_recorded_target, acceptance=acceptance)
-    return writer.write(module, context)
+    folder, message = writer.write(module, context)
+    profile = pathlib.Path(source) / PROFILE_FILE
+    if profile.is_file():  # the schedule planned for this drafter on some machine travels with every export
+        data = json.loads(profile.read_text())
+        card = folder / "README.md"
+        for name, text in ((PROFILE_FILE, json.dumps(data, indent=1)),
+                           ("README.md", (card.read_text() if card.is_file() else "") + profile_section(data, writer.format))):
+            tmp = folder / f".{name}.{os.getpid()}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, folder / name)
+        message += f"; with its speculation schedule ({PROFILE_FILE})"
+    return folder, message
