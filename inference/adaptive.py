@@ -12,7 +12,8 @@ depend only on what the target accepted, so a seeded sampled run is reproducible
 tokens emitted and cost per drafted step. While their ratio is at least (1 - slack) / T(1) the request
 drafts (the slack keeps a drafter that costs next to nothing, such as prompt lookup, on through the
 steps where it finds nothing); when it is not, the request decodes plain steps and drafts once more
-after ``first_wait`` of them (a probe). After a probe that does not pay, the wait doubles, up to
+after ``first_wait`` of them (a probe, which verifies only the draft tokens that cost at most 15% more
+than a plain step here). After a probe that does not pay, the wait doubles, up to
 ``longest_wait``, where the drafter brings less than half the extra tokens it would need (a drafter
 that never accepts then costs one probe in every ``longest_wait`` steps); a drafter close to paying is
 probed again after ``first_wait``.
@@ -103,6 +104,7 @@ class ThrottleState:
         self.probes = 0
         self.wait = 0  # plain steps left before the next probe
         self.interval = throttle.first_wait
+        self.probing = False  # whether the step just decided is a probe
         learnt = throttle.learnt
         if learnt.drafted >= throttle.min_drafted:
             self.tokens, self.seconds, self.drafted = learnt.tokens, learnt.seconds, throttle.min_drafted
@@ -114,7 +116,8 @@ class ThrottleState:
         return self.tokens * self.throttle.cost(1) > (1.0 - self.throttle.slack) * self.seconds
 
     def should_draft(self) -> bool:
-        """Does the next step draft? (Decided before the target sees it.)"""
+        """Does the next step draft? (Decided before the target sees it.) A probe sets ``probing``."""
+        self.probing = False
         if self.drafted < self.throttle.min_drafted or self.pays():
             return True
         if self.wait > 0:
@@ -122,7 +125,20 @@ class ThrottleState:
             self.skipped += 1
             return False
         self.probes += 1
+        self.probing = True
         return True
+
+    def probe_nodes(self) -> int | None:
+        """The most draft nodes the current step verifies: on a probe, the nodes that cost at most 15%
+        more than a plain step on the cost curve (at least one), so probing a drafter that does not pay
+        costs little where verifying more tokens costs more; None on other steps."""
+        if not self.probing:
+            return None
+        cost = self.throttle.cost
+        n = 1
+        while n < 64 and cost(n + 2) <= 1.15 * cost(1):
+            n += 1
+        return n
 
     def record(self, nodes: int, emitted: int, draft_seconds: float | None = None) -> None:
         """A drafted step verified ``nodes`` draft nodes and emitted ``emitted`` tokens (accepted + 1);

@@ -140,7 +140,8 @@ def speculative_decode(
         max_depth = remaining - 1
         if max_context is not None:
             max_depth = min(max_depth, max_context - 1 - session.length)
-        tree = tree.prune(max_depth=max_depth, max_nodes=tree.num_nodes)
+        probe = gate.probe_nodes() if gate is not None and drafting else None  # a probe verifies a cheap part
+        tree = tree.prune(max_depth=max_depth, max_nodes=tree.num_nodes if probe is None else probe)
         if schedule is not None:  # what is worth verifying of what can still be emitted
             tree = schedule.cut(tree)
         buffers = _buffers(tree)
