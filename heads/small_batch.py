@@ -17,7 +17,7 @@ few-row cost is several one-row costs and the weight-first product stays near on
 Xeon with AMX) the general kernel is the faster of the two at every row count. So by default (``auto``)
 :meth:`SmallBatchMatmul.apply` times both products once per process for each weight shape it meets and
 each row count the path serves (2, 3, 4, 5, 8, 16, 32, 64; counts in between take the next measured
-one), and a layer takes the weight-first product only at the row counts where it was at least 20%
+one; at most half a second per shape), and a layer takes the weight-first product only at the row counts where it was at least 20%
 faster; a layer whose shape never gains is not wrapped. ``SELFDRAFT_SMALL_BATCH_MATMUL=1`` takes it
 at every count without timing (what the tests check), ``0`` switches it off for a process, e.g. to
 measure what it buys.
@@ -70,14 +70,22 @@ def _padded(rows: int) -> int:
     return rows if rows <= DIRECT_ROWS else -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
 
 
-def _best_time(fn, reps: int = 5) -> float:
-    fn()
-    best = float("inf")
+def _best_times(first, second, reps: int = 5) -> tuple[float, float]:
+    """The best of ``reps`` timings of each of two functions, run in turn (after one warm-up each), so a
+    change of load on the machine affects both alike."""
+    first(), second()
+    best = [float("inf"), float("inf")]
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        for i, fn in enumerate((first, second)):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
+
+
+MEASURE_SECONDS = 0.5
+"""Timing budget per weight shape: row counts not reached within it keep ``F.linear`` (a large target's LM
+head would otherwise take seconds to time at every count)."""
 
 
 def _measure_fast_rows(out_features: int, in_features: int) -> frozenset[int]:
@@ -85,12 +93,16 @@ def _measure_fast_rows(out_features: int, in_features: int) -> frozenset[int]:
     smaller margin is within what a whole forward, with its weights out of cache, does not keep)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator)
+    reps = 5 if weight.numel() < 4_000_000 else 3  # large weights: fewer, longer, steadier timings
+    deadline = time.perf_counter() + MEASURE_SECONDS
     fast = set()
     with torch.inference_mode():
         for rows in MEASURED_ROWS:
+            if time.perf_counter() > deadline:
+                break
             x = torch.randn(rows, in_features, generator=generator)
-            general = _best_time(lambda: F.linear(x, weight))
-            weight_first = _best_time(lambda: torch.matmul(weight, x.t()).t().contiguous())
+            general, weight_first = _best_times(lambda: F.linear(x, weight),
+                                                lambda: torch.matmul(weight, x.t()).t().contiguous(), reps)
             if weight_first < 0.8 * general:
                 fast.add(rows)
     return frozenset(fast)
