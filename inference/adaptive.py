@@ -28,6 +28,7 @@ token, and the next :meth:`~selfdraft.inference.drafters.Drafter.propose` catche
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.schedule import COST_TOKENS, VerifyCost, draft_cost, verify_cost
@@ -71,6 +72,16 @@ class Throttle:
 
     def start(self) -> "ThrottleState":
         return ThrottleState(self)
+
+    @cached_property
+    def probe_nodes(self) -> int:
+        """The draft nodes a probe verifies: those that cost at most 15% more than a plain step on the cost
+        curve (at least one), so probing a drafter that does not pay costs little where verifying more
+        tokens costs more."""
+        n = 1
+        while n < 64 and self.cost(n + 2) <= 1.15 * self.cost(1):
+            n += 1
+        return n
 
     def step_cost(self, nodes: int) -> float:
         """Modelled seconds of a drafted step that verified ``nodes`` draft nodes."""
@@ -129,16 +140,9 @@ class ThrottleState:
         return True
 
     def probe_nodes(self) -> int | None:
-        """The most draft nodes the current step verifies: on a probe, the nodes that cost at most 15%
-        more than a plain step on the cost curve (at least one), so probing a drafter that does not pay
-        costs little where verifying more tokens costs more; None on other steps."""
-        if not self.probing:
-            return None
-        cost = self.throttle.cost
-        n = 1
-        while n < 64 and cost(n + 2) <= 1.15 * cost(1):
-            n += 1
-        return n
+        """The most draft nodes the current step verifies: :attr:`Throttle.probe_nodes` on a probe, None
+        on other steps."""
+        return self.throttle.probe_nodes if self.probing else None
 
     def record(self, nodes: int, emitted: int, draft_seconds: float | None = None) -> None:
         """A drafted step verified ``nodes`` draft nodes and emitted ``emitted`` tokens (accepted + 1);

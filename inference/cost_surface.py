@@ -16,6 +16,7 @@ the memory left on the device and names the largest batch that does when it does
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import pathlib
@@ -25,8 +26,9 @@ import time
 from dataclasses import asdict, dataclass
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.inference.schedule import COST_CONTEXT
-from selfdraft.machine import describe
+from selfdraft.files import write_atomic
+from selfdraft.inference.schedule import COST_CONTEXT, cost_dir
+from selfdraft.machine import available_host_bytes, describe
 
 
 @dataclass(frozen=True)
@@ -101,13 +103,8 @@ def free_bytes(device) -> int:
 
     if torch.device(device).type == "cuda":
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62  # unknown: no limit
+    available = available_host_bytes()
+    return 1 << 62 if available is None else available  # unknown: no limit
 
 
 def check_batch_fits(model, batch: int, tokens: int, *, share: float = 0.8) -> None:
@@ -173,8 +170,7 @@ def cost_surface(target, batch_sizes, tokens, cache_dir: str | os.PathLike | Non
     key = json.dumps({"machine": describe(str(model.device)), "target": target.identity.to_dict(), "dtype": str(model.dtype),
                       "device": str(model.device), "batch_sizes": batch_sizes, "tokens": tokens, "context": COST_CONTEXT,
                       "few_row_kernel": kernel_signature(model)}, sort_keys=True, default=str)
-    root = pathlib.Path(os.path.expanduser(cache_dir or os.environ.get("SELFDRAFT_CACHE") or "~/.cache/selfdraft"))
-    path = root / "costs" / f"surface-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    path = cost_dir(cache_dir) / f"surface-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():
         try:
             return CostSurface.from_dict(json.loads(path.read_text()))
@@ -182,9 +178,7 @@ def cost_surface(target, batch_sizes, tokens, cache_dir: str | os.PathLike | Non
             pass
     surface = measure_cost_surface(target, batch_sizes, tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(surface.to_dict(), indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(surface.to_dict(), indent=1))
     return surface
 
 
@@ -208,7 +202,7 @@ def plot_cost_surface(surface: CostSurface, path: str | os.PathLike) -> pathlib.
     figure.tight_layout()
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    figure.savefig(tmp, format="png", dpi=110)
-    os.replace(tmp, out)
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=110)
+    write_atomic(out, png.getvalue())
     return out

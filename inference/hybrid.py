@@ -105,17 +105,22 @@ class CopyDrafter(Drafter):
         return valued_tree(tokens, parents, values, cfg.max_nodes, cfg.min_value), state
 
 
-def valued_tree(tokens: list[int], parents: list[int], values: list[float], max_nodes: int,
-                min_value: float = 0.0) -> DraftTree:
+def best_nodes(parents: list[int], values: list[float], max_nodes: int, min_value: float = 0.0) -> list[int]:
     """The ``max_nodes`` highest-valued nodes (at least ``min_value``) of a tree whose values do not rise
-    along a path, as a tree (parents first; ties keep the earlier node, so the set is closed under ancestors)."""
-    order = sorted((i for i in range(len(tokens)) if values[i] >= min_value), key=lambda i: (-values[i], i))[:max_nodes]
-    if not order:
-        return DraftTree.empty()
-    depth = [0] * len(tokens)
+    along a path, by depth, then value (ties keep the earlier node, so the set is closed under ancestors)."""
+    order = sorted((i for i in range(len(parents)) if values[i] >= min_value), key=lambda i: (-values[i], i))[:max_nodes]
+    depth = [0] * len(parents)
     for i, p in enumerate(parents):
         depth[i] = 1 if p < 0 else depth[p] + 1
-    keep = sorted(order, key=lambda i: (depth[i], -values[i], i))
+    return sorted(order, key=lambda i: (depth[i], -values[i], i))
+
+
+def valued_tree(tokens: list[int], parents: list[int], values: list[float], max_nodes: int,
+                min_value: float = 0.0, keep: list[int] | None = None) -> DraftTree:
+    """The tree of the nodes ``keep`` (default: :func:`best_nodes`), in that order, with their values."""
+    keep = best_nodes(parents, values, max_nodes, min_value) if keep is None else keep
+    if not keep:
+        return DraftTree.empty()
     remap = {old: new for new, old in enumerate(keep)}
     return DraftTree.from_lists([tokens[i] for i in keep], [remap[parents[i]] if parents[i] >= 0 else -1 for i in keep],
                                 [values[i] for i in keep])
@@ -143,8 +148,8 @@ class HybridState:
     since_run: int = 0  # steps since the drafter last ran
     model_ran: bool = False
     tree: DraftTree = field(default_factory=DraftTree.empty)  # the last proposal
-    raw: list[float] = field(default_factory=list)  # per node of ``tree``: the uncalibrated value of each source
-    sources: list[tuple[float | None, float | None]] = field(default_factory=list)
+    sources: list[tuple[float | None, float | None]] = field(default_factory=list)  # per node of ``tree``: each
+    # source's uncalibrated value (None: not proposed by it)
     model_steps: int = 0  # proposals in which the drafter ran
     steps: int = 0
 
@@ -222,8 +227,8 @@ class HybridDrafter(Drafter):
         for i, p in enumerate(parents):  # parents first; a path is accepted no more often than its prefix
             v = max(min(1.0, r * x) for r, x in zip((r_copy, r_model), raw[i]) if x is not None)
             values.append(v if p < 0 else min(v, values[p]))
-        tree = valued_tree(tokens, parents, values, self.config.max_nodes)
-        kept = _kept_nodes(tokens, parents, tree)
+        kept = best_nodes(parents, values, self.config.max_nodes)
+        tree = valued_tree(tokens, parents, values, self.config.max_nodes, keep=kept)
         if self.schedule is not None and tree.num_nodes:
             cut = VerifySchedule(self.schedule.cost, self.model_seconds if state.model_ran else 0.0)
             m, keep = cut.best_size(list(tree.values))
@@ -266,15 +271,6 @@ class HybridDrafter(Drafter):
             state.runs = m * state.runs + 1
         state.tree, state.sources, state.model_ran = DraftTree.empty(), [], False
         return state
-
-
-def _kept_nodes(tokens: list[int], parents: list[int], tree: DraftTree) -> list[int]:
-    """For each node of ``tree`` (built by :func:`valued_tree` from these lists), its index in the lists."""
-    index = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents))}
-    kept: list[int] = []
-    for tok, p in zip(tree.token_ids, tree.parent_ids):
-        kept.append(index[(kept[p] if p >= 0 else -1, tok)])
-    return kept
 
 
 def hybrid_for(target, model: Drafter, config: HybridConfig = HybridConfig(), copy: CopyConfig = CopyConfig()) -> HybridDrafter:

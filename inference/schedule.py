@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from selfdraft.errors import SelfdraftError
+from selfdraft.files import write_atomic
 from selfdraft.inference.tree import DraftTree, build_tree_buffers
 from selfdraft.machine import describe
 
@@ -132,6 +133,11 @@ def measure_verify_cost(target, max_tokens: int, *, context: int = COST_CONTEXT,
                       context, describe(str(model.device)), sizes)
 
 
+def cost_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """The folder of the cached costs: ``cache_dir``, else ``$SELFDRAFT_CACHE/costs``, else ``~/.cache/selfdraft/costs``."""
+    return pathlib.Path(os.path.expanduser(cache_dir or os.environ.get("SELFDRAFT_CACHE") or "~/.cache/selfdraft")) / "costs"
+
+
 def cost_cache_path(target, max_tokens: int, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Where the cost curve of ``target`` on this machine is cached."""
     from selfdraft.heads.small_batch import kernel_signature
@@ -140,8 +146,7 @@ def cost_cache_path(target, max_tokens: int, cache_dir: str | os.PathLike | None
     key = json.dumps({"machine": describe(str(model.device)), "target": target.identity.to_dict(),
                       "dtype": str(model.dtype), "device": str(model.device), "max_tokens": max_tokens,
                       "context": COST_CONTEXT, "few_row_kernel": kernel_signature(model)}, sort_keys=True, default=str)
-    root = pathlib.Path(os.path.expanduser(cache_dir or os.environ.get("SELFDRAFT_CACHE") or "~/.cache/selfdraft"))
-    return root / "costs" / f"{target.identity.name.replace('/', '_')}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return cost_dir(cache_dir) / f"{target.identity.name.replace('/', '_')}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def verify_cost(target, max_tokens: int, cache_dir: str | os.PathLike | None = None) -> VerifyCost:
@@ -155,9 +160,7 @@ def verify_cost(target, max_tokens: int, cache_dir: str | os.PathLike | None = N
             pass  # a damaged cache file is measured again and replaced
     cost = measure_verify_cost(target, max_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cost.to_dict(), indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(cost.to_dict(), indent=1))
     return cost
 
 
@@ -218,9 +221,7 @@ def draft_cost(target, drafter, cache_dir: str | os.PathLike | None = None) -> f
             pass  # damaged: measured again and replaced
     seconds = measure_draft_cost(target, drafter)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"seconds": seconds, "drafter": _drafter_shape(drafter)}, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({"seconds": seconds, "drafter": _drafter_shape(drafter)}, indent=1))
     return seconds
 
 

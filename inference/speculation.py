@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from selfdraft.errors import SelfdraftError
+from selfdraft.files import write_atomic
 from selfdraft.heads.cards import PROFILE_FILE
 from selfdraft.inference.cost_surface import CostSurface
 
@@ -134,7 +135,6 @@ def write_drafter_profile(folder, target, surface: CostSurface, out) -> tuple[di
     drafts; ``speculation_profile.json`` written (atomically) to ``out`` and into ``folder``. Returns
     (the profile, its table, the files written)."""
     import json
-    import os
     import pathlib
 
     from selfdraft.heads.io import is_drafter_folder, read_record
@@ -161,8 +161,6 @@ def write_drafter_profile(folder, target, surface: CostSurface, out) -> tuple[di
     written = []
     for where in (pathlib.Path(out), pathlib.Path(folder)):
         where.mkdir(parents=True, exist_ok=True)
-        tmp = where / f".{PROFILE_FILE}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(profile, indent=1))
-        os.replace(tmp, where / PROFILE_FILE)
+        write_atomic(where / PROFILE_FILE, json.dumps(profile, indent=1))
         written.append(where / PROFILE_FILE)
     return profile, schedule_table(entries), written

@@ -387,6 +387,7 @@ def _run_costs(args) -> int:
     import json
     import pathlib
 
+    from selfdraft.files import write_atomic
     from selfdraft.heads.target import load_target
     from selfdraft.inference.cost_surface import cost_surface, plot_cost_surface
 
@@ -394,9 +395,7 @@ def _run_costs(args) -> int:
     surface = cost_surface(target, args.batch_sizes, args.tokens)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".costs.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(surface.to_dict(), indent=1))
-    os.replace(tmp, out / "costs.json")
+    write_atomic(out / "costs.json", json.dumps(surface.to_dict(), indent=1))
     plot = plot_cost_surface(surface, out / "costs.png")
     print(f"verify cost of {surface.target} ({surface.dtype}, {surface.device}, {surface.context} tokens cached per row):\n")
     print(surface.table())

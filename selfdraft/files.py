@@ -10,6 +10,8 @@ have given before they rename.
 from __future__ import annotations
 
 import os
+import pathlib
+import tempfile
 
 
 def _umask() -> int:
@@ -37,3 +39,18 @@ def as_if_created(path: str | os.PathLike) -> None:
             os.chmod(os.path.join(root, name), 0o777 & ~mask)
         for name in files:
             os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
+    """Write ``data`` (text as UTF-8) to ``path`` through a temporary file in the same folder, renamed into
+    place with the mode open() would have given: a reader sees the old file or the new one, never half."""
+    path = pathlib.Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        as_if_created(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

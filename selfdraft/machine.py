@@ -52,12 +52,22 @@ def cpu_has_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags()))
 
 
-def peak_resident_bytes() -> int | None:
-    """This process's peak resident memory so far (VmHWM; None where /proc cannot tell)."""
+def _proc_kib(path: str, field: str) -> int | None:
+    """Bytes of a ``field:  N kB`` line of a /proc file (None where /proc cannot tell)."""
     try:
-        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+        for line in pathlib.Path(path).read_text().splitlines():
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def peak_resident_bytes() -> int | None:
+    """This process's peak resident memory so far (VmHWM; None where /proc cannot tell)."""
+    return _proc_kib("/proc/self/status", "VmHWM")
+
+
+def available_host_bytes() -> int | None:
+    """Memory the host can still give (MemAvailable; None where /proc cannot tell)."""
+    return _proc_kib("/proc/meminfo", "MemAvailable")

@@ -159,21 +159,16 @@ def fastest_exact(results: dict) -> dict | None:
     """The method of our own loop (no ``hf-``/``vllm`` row) with the highest geometric mean speedup over
     every greedy task, among those whose output was token-identical on every task; None without one."""
     by_method: dict[str, dict[str, float]] = {}
-    tasks = set()
+    excluded, tasks = set(), set()
     for row in results["rows"]:
         if row["temperature"] != 0:
             continue
         tasks.add(row["task"])
-        method = row["method"]
-        if method.startswith(("hf-", "vllm")) or not row.get("exact", True):
-            by_method.setdefault(method, {})["inexact"] = 0.0
-            continue
-        by_method.setdefault(method, {})[row["task"]] = row["speedup"]
-    scored = []
-    for method, speedups in by_method.items():
-        if "inexact" in speedups or set(speedups) != tasks:
-            continue
-        scored.append((math.prod(speedups.values()) ** (1 / len(speedups)), method, speedups))
+        if row["method"].startswith(("hf-", "vllm")) or not row.get("exact", True):
+            excluded.add(row["method"])
+        by_method.setdefault(row["method"], {})[row["task"]] = row["speedup"]
+    scored = [(math.prod(speedups.values()) ** (1 / len(speedups)), method, speedups)
+              for method, speedups in by_method.items() if method not in excluded and set(speedups) == tasks]
     if not scored:
         return None
     mean, method, speedups = max(scored, key=lambda s: s[0])

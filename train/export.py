@@ -23,7 +23,7 @@ import torch
 from selfdraft import __version__
 from selfdraft.configs.schema import to_dict
 from selfdraft.errors import SelfdraftError
-from selfdraft.files import as_if_created
+from selfdraft.files import as_if_created, write_atomic
 from selfdraft.heads.cards import PROFILE_FILE, profile_section
 from selfdraft.heads.io import DrafterRecord, is_drafter_folder, load_drafter, read_record, save_drafter
 from selfdraft.heads.kinds import ExportContext, export_formats, get_kind
@@ -171,10 +171,7 @@ def export(source: str | os.PathLike, fmt: str, out: str | os.PathLike, target: 
     if profile.is_file():  # the schedule planned for this drafter on some machine travels with every export
         data = json.loads(profile.read_text())
         card = folder / "README.md"
-        for name, text in ((PROFILE_FILE, json.dumps(data, indent=1)),
-                           ("README.md", (card.read_text() if card.is_file() else "") + profile_section(data, writer.format))):
-            tmp = folder / f".{name}.{os.getpid()}.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, folder / name)
+        write_atomic(folder / PROFILE_FILE, json.dumps(data, indent=1))
+        write_atomic(card, (card.read_text() if card.is_file() else "") + profile_section(data, writer.format))
         message += f"; with its speculation schedule ({PROFILE_FILE})"
     return folder, message

@@ -2,25 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import pathlib
-import tempfile
-
-from selfdraft.files import as_if_created
+from selfdraft.files import write_atomic as _write_atomic  # noqa: F401 (the bench's modules import it from here)
 
 BASELINE = "none"
-
-
-def _write_atomic(path: pathlib.Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        as_if_created(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _groups(results: dict) -> list[tuple[str, float, list[dict]]]:
