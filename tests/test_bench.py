@@ -337,7 +337,8 @@ def test_plot_labels_are_short_and_tell_methods_apart():
 def test_vllm_rows_come_from_the_engines_own_counters(tiny_target, tmp_path, monkeypatch):
     """The vllm:FOLDER / vllm:none runner turns the worker's per-prompt result into a Generation:
     verification steps and accepted drafts from vLLM's counters, seconds measured by vLLM, one engine
-    for every prompt. (vLLM itself runs in tests/engines/test_vllm.py; here its worker is a stub.)"""
+    for every prompt; ``@engine=inline`` runs the engine core in the worker's process, the default as
+    `vllm serve` does. (vLLM itself runs in tests/engines/test_vllm.py; here its worker is a stub.)"""
     from selfdraft.inference import vllm_engine
     from selfdraft.inference.bench.runners import VllmRunner
 
@@ -347,7 +348,7 @@ def test_vllm_rows_come_from_the_engines_own_counters(tiny_target, tmp_path, mon
     calls = []
 
     def fake_run_vllm(target, prompts, max_new_tokens, *, speculative=None, **kwargs):
-        calls.append((prompts, speculative))
+        calls.append((prompts, speculative, kwargs["in_process"]))
         out = []
         for ids in prompts:  # 7 new tokens: prefill 1, then steps emitting 3, 1, 2 (accepted 2, 0, 1)
             out.append({"token_ids": list(range(7)), "seconds": 0.5, "drafts": 3, "draft_tokens": 9,
@@ -358,16 +359,17 @@ def test_vllm_rows_come_from_the_engines_own_counters(tiny_target, tmp_path, mon
 
     monkeypatch.setattr(vllm_engine, "vllm_python", lambda: tmp_path / "python")
     monkeypatch.setattr(vllm_engine, "run_vllm", fake_run_vllm)
-    results = bench.run_bench(str(tiny_target), f"none,vllm:{folder},vllm:none", "humaneval", max_new_tokens=7, limit=2,
-                              out=tmp_path / "out", plots=False, progress=False)
-    assert len(calls) == 2 and all(len(prompts) == 3 for prompts, _ in calls)  # warm-up + 2 prompts, one engine each
+    results = bench.run_bench(str(tiny_target), f"none,vllm:{folder},vllm:none@engine=inline", "humaneval", max_new_tokens=7,
+                              limit=2, out=tmp_path / "out", plots=False, progress=False)
+    assert len(calls) == 2 and all(len(prompts) == 3 for prompts, _, _ in calls)  # warm-up + 2 prompts, one engine each
+    assert [in_process for _, _, in_process in calls] == [False, True]
     assert calls[0][1] == {"method": "eagle3", "model": str(folder.resolve()), "num_speculative_tokens": 3}
     rows = {r["method"]: r for r in results["rows"]}
-    spec, plain = rows[f"vllm:{folder}"], rows["vllm:none"]
+    spec, plain = rows[f"vllm:{folder}"], rows["vllm:none@engine=inline"]
     assert spec["seconds"] == 1.0 and spec["target_forwards"] == 8 and spec["engine_acceptance_length"] == 2.0
     assert spec["per_depth_acceptance"] == {"1": 2 / 3, "2": 1 / 3, "3": 0.0} and spec["drafting_time_share"] is None
     assert plain["seconds"] == 0.5 and plain["acceptance_length"] == 1.0 and plain["engine_acceptance_length"] == 1.0
-    assert results["meta"]["methods"]["vllm:none"]["engine_version"] == "vllm 0.32.0"
+    assert results["meta"]["methods"]["vllm:none@engine=inline"]["engine_version"] == "vllm 0.32.0"
     monkeypatch.setattr(vllm_engine, "vllm_python", lambda: None)
     with pytest.raises(SelfdraftError, match="setup_vllm.sh"):
         bench.run_bench(str(tiny_target), "vllm:none", "humaneval", max_new_tokens=7, limit=1, out=tmp_path / "x",

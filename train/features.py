@@ -333,7 +333,7 @@ def cache_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
             f"{size.shortfall()}. Train with online features instead (leave train.features unset): the run then "
             f"computes them with the target's forward in every step and needs no disk{online}. Else {', '.join(fixes)}."))
     target = load_target(config.target.spec, dtype=config.target.dtype, device=str(accelerator.device),
-                         trust_remote_code=config.target.trust_remote_code)
+                         trust_remote_code=config.target.trust_remote_code, small_batch_kernel=False)  # whole sequences only
     if target.identity != identity or target.model.dtype != target_dtype:
         raise SelfdraftError(f"target {config.target.spec} loaded as {target.identity} in {target.model.dtype}, "
                              f"planned as {identity} in {target_dtype}")

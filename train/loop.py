@@ -294,7 +294,8 @@ def _load_target(config: RunConfig, accelerator):
     with dist.partitioned_creation(accelerator):
         target = load_target(config.target.spec, dtype=config.target.dtype, device=dist.target_load_device(accelerator),
                              trust_remote_code=config.target.trust_remote_code,
-                             model_loader=load_partitioned if dist.zero3(accelerator) else None)
+                             model_loader=load_partitioned if dist.zero3(accelerator) else None,
+                             small_batch_kernel=False)  # training never verifies a tree: no few-row kernel, no timing of it
     if target.tokenizer is None:
         raise SelfdraftError(f"target {config.target.spec} has no tokenizer: training needs its chat template")
     check_context(config, target.max_context)

@@ -49,6 +49,12 @@ def _schedule(text: str) -> str:
     return text
 
 
+def _engine(text: str) -> str:
+    if text not in ("serve", "inline"):
+        raise ValueError("must be serve or inline")
+    return text
+
+
 @dataclass(frozen=True)
 class Method:
     """A decoding method the benchmark can run."""
@@ -155,7 +161,7 @@ def _build_vllm(target, argument, options):
     from selfdraft.inference.bench.runners import VllmRunner
 
     folder = None if argument in (None, "none") else argument
-    return VllmRunner(target, folder, options.get("tokens"))
+    return VllmRunner(target, folder, options.get("tokens"), in_process=options.get("engine") == "inline")
 
 
 _TREE_OPTIONS = {"depth": (_positive_int, "draft depth"), "top_k": (_positive_int, "children per expanded node"),
@@ -188,7 +194,10 @@ register(Method("hf-assisted", _build_hf_assisted, "transformers assisted genera
     "confidence": (_share, "assistant_confidence_threshold")}, argument="SPEC"))
 register(Method("vllm", _build_vllm, "vLLM itself (its CPU build, in .venv-vllm) with a drafter exported by "
                 "`selfdraft export --format vllm` (a chain of num_speculative_tokens), or vllm:none for plain decoding; "
-                "timed by vLLM per prompt", {"tokens": (_positive_int, "num_speculative_tokens (default: Medusa heads, else 3)")},
+                "timed by vLLM per prompt", {"tokens": (_positive_int, "num_speculative_tokens (default: Medusa heads, else 3)"),
+                                             "engine": (_engine, "serve (default: the engine core in a process of its own, "
+                                                                 "as `vllm serve` runs it) or inline (one process: starts "
+                                                                 "faster; same model code and kernels, for checks)")},
                 argument="FOLDER"))
 
 

@@ -146,7 +146,7 @@ class VllmRunner:
     prefill; vLLM does not report drafting time.
     """
 
-    def __init__(self, target, folder: str | None, num_speculative_tokens: int | None = None):
+    def __init__(self, target, folder: str | None, num_speculative_tokens: int | None = None, *, in_process: bool = False):
         from selfdraft.heads.target import target_folder
         from selfdraft.inference.vllm_engine import speculative_config, vllm_python
 
@@ -162,6 +162,7 @@ class VllmRunner:
         self.target, self.target_path = target, str(path)
         self.speculative = speculative_config(folder, num_speculative_tokens) if folder else None
         self.dtype = str(target.dtype).removeprefix("torch.")
+        self.in_process = in_process  # run_vllm's: the engine core in the worker's own process
         self.results: dict[tuple, Generation] = {}
         self.version: str | None = None
 
@@ -175,7 +176,7 @@ class VllmRunner:
             out = run_vllm(self.target_path, [list(c[0]) for c in batch], n, speculative=self.speculative,
                            temperatures=[c[1] for c in batch], seeds=[c[2] for c in batch], dtype=self.dtype,
                            max_model_len=self.target.max_context if self.target.max_context < 2**20 else 4096,
-                           warmup=[list(batch[0][0])])
+                           warmup=[list(batch[0][0])], in_process=self.in_process)
             self.version = f"vllm {out['vllm_version']}"
             for call, r in zip(batch, out["results"]):
                 tokens = r["token_ids"]
