@@ -10,9 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-# --no-compile: Python compiles a module when it is first imported; compiling every file of torch at install
-# time costs most of a minute of CPU for modules never imported.
-PIP=(.venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check)
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   "${PIP[@]}" "torch==2.13.0"
 fi

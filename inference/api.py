@@ -13,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -132,6 +134,11 @@ def generate(
         session, ids, drafter, config, eos_token_ids=target.eos_token_ids, max_context=target.max_context,
         schedule=schedule_for(target, drafter, schedule), throttle=throttle_for(target, drafter, adaptive),
     )
+    return _result(target, ids, out, drafter, config)
+
+
+def _result(target, ids: list[int], out, drafter: Drafter, config: DecodeConfig) -> GenerationResult:
+    """A :class:`GenerationResult` from one row's :class:`~selfdraft.inference.decode.DecodeOutput`."""
     stats = out.stats
     new = len(out.token_ids)
     steps = max(stats.target_forwards - 1, 1)
@@ -154,6 +161,68 @@ def generate(
         skipped_steps=stats.skipped_steps,
         stop_reason=out.stop_reason,
         drafter=drafter.name,
-        decode={"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
-                "acceptance": acceptance, "lossy": config.lossy},
+        decode={"max_new_tokens": config.max_new_tokens, "temperature": config.temperature, "top_k": config.top_k,
+                "top_p": config.top_p, "seed": config.seed, "acceptance": config.acceptance, "lossy": config.lossy},
     )
+
+
+def generate_batch(
+    target,
+    prompts: Sequence[str] | None = None,
+    *,
+    input_ids: Sequence[Sequence[int]] | None = None,
+    drafter: str | Drafter = "none",
+    chat: bool = False,
+    max_new_tokens: int = DecodeConfig.max_new_tokens,
+    temperature: float = DecodeConfig.temperature,
+    top_k: int = DecodeConfig.top_k,
+    top_p: float = DecodeConfig.top_p,
+    seeds: Sequence[int | None] | int | None = DecodeConfig.seed,
+    stop_on_eos: bool = DecodeConfig.stop_on_eos,
+    acceptance: str = DecodeConfig.acceptance,
+    tree: TreeConfig | dict | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
+    speculation: str = "auto",
+) -> list[GenerationResult]:
+    """Decode several prompts together, one target forward per step for all of them (inference/batch.py),
+    and return one result per prompt, in order. Each row is exact as :func:`generate` is; a row's
+    ``seconds`` is the time until it finished.
+
+    Options as :func:`generate`; ``seeds``: one per prompt, or one int for every row. ``speculation="auto"``
+    (the default) follows the drafter folder's ``speculation_profile.json`` (``selfdraft costs --drafter``):
+    per live batch size the drafts it found to pay, none where drafting does not pay; ``"off"`` (or a folder
+    without a profile) drafts the drafter's own tree at every batch size. The adaptive throttle and the
+    confidence schedule of :func:`generate` act at batch 1.
+    """
+    from selfdraft.inference.batch import BatchSession, batched_decode
+    from selfdraft.inference.cost_surface import check_batch_fits
+    from selfdraft.inference.speculation import read_profile, schedule_budget
+
+    if speculation not in ("auto", "off"):
+        raise SelfdraftError(f"speculation must be auto or off, got {speculation!r}")
+    if isinstance(target, str):
+        from selfdraft.heads.target import load_target
+
+        target = load_target(target, dtype=dtype, device=device)
+    if (prompts is None) == (input_ids is None):
+        raise SelfdraftError("give exactly one of prompts (texts) or input_ids (token id lists)")
+    if isinstance(prompts, str):
+        raise SelfdraftError("prompts is one string: give a list of prompts (or use generate() for one)")
+    ids = [list(p) for p in input_ids] if input_ids is not None else [encode_prompt(target.tokenizer, p, chat) for p in prompts]
+    per_row = list(seeds) if isinstance(seeds, (list, tuple)) else [seeds] * len(ids)
+    config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                          seed=per_row[0] if per_row else None, stop_on_eos=stop_on_eos, acceptance=acceptance)
+    if ids:
+        check_batch_fits(target.model, len(ids), max(map(len, ids)) + max_new_tokens)
+    budget = None
+    if speculation == "auto" and isinstance(drafter, str):
+        profile = read_profile(drafter) if os.path.isdir(drafter) else None
+        budget = schedule_budget(profile, target) if profile is not None else None
+    drafter = make_drafter(drafter, target, tree=tree, prompt_lookup=prompt_lookup)
+    session = BatchSession(target.model, hidden_layers=drafter.hidden_layers)
+    outs = batched_decode(session, ids, drafter, config, seeds=per_row, eos_token_ids=target.eos_token_ids,
+                          max_context=target.max_context, nodes_for_batch=budget)
+    return [_result(target, row, out, drafter, dataclasses.replace(config, seed=seed))
+            for row, out, seed in zip(ids, outs, per_row)]

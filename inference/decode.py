@@ -144,7 +144,7 @@ def speculative_decode(
         tree = tree.prune(max_depth=max_depth, max_nodes=tree.num_nodes if probe is None else probe)
         if schedule is not None:  # what is worth verifying of what can still be emitted
             tree = schedule.cut(tree)
-        buffers = _buffers(tree)
+        buffers = tree_buffers(tree)
 
         out = session.verify(sequence[-1], tree, buffers)
         stats.target_forwards += 1
@@ -193,5 +193,6 @@ def speculative_decode(
 _EMPTY_BUFFERS = build_tree_buffers(DraftTree.empty())
 
 
-def _buffers(tree: DraftTree):
+def tree_buffers(tree: DraftTree):
+    """The tree's verification buffers (one shared object for the empty tree of a plain step)."""
     return _EMPTY_BUFFERS if tree.num_nodes == 0 else build_tree_buffers(tree)

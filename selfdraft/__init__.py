@@ -11,6 +11,7 @@ _LAZY = {
     "Target": "selfdraft.heads.target",
     "TargetIdentity": "selfdraft.heads.target",
     "generate": "selfdraft.inference.api",
+    "generate_batch": "selfdraft.inference.api",
     "GenerationResult": "selfdraft.inference.api",
     "make_drafter": "selfdraft.inference.specs",
     "run_bench": "selfdraft.inference.bench",

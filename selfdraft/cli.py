@@ -31,15 +31,17 @@ def _add_generate(sub) -> None:
 
     p = sub.add_parser(
         "generate",
-        help="decode one prompt with a drafter and report the acceptance length",
-        description="Decode one prompt. Greedy output (the default, temperature 0) is token-identical to the "
+        help="decode a prompt (or a batch of them) with a drafter and report the acceptance length",
+        description="Decode one prompt, or several as one batch. Greedy output (the default, temperature 0) is token-identical to the "
         "target's own greedy output in fp32; sampling keeps the target's distribution exactly.",
     )
     p.add_argument("--target", default="smollm2-135m", help="built-in name, local HF folder or hub name (default: %(default)s)")
     p.add_argument("--drafter", default="none", help="none, prompt-lookup, copy (suffix-match copying), draft-model:SPEC, "
                    "a drafter folder: native (any kind) or an engine export selfdraft reads, or hybrid:SPEC (copying and the "
                    "drafter SPEC merged into one tree per step) (default: %(default)s)")
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--prompt", required=True, action="append",
+                   help="the prompt text; give it several times to decode the prompts as one batch (one target forward "
+                   "per step for all of them, each row exact as alone)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=_positive_int, default=DecodeConfig.max_new_tokens)
     p.add_argument("--temperature", type=float, default=DecodeConfig.temperature, help="0 decodes greedily")
@@ -70,11 +72,15 @@ def _add_generate(sub) -> None:
     g.add_argument("--adaptive", choices=("on", "off"), default="on",
                    help="on (default): draft only while drafting pays for this prompt, by this machine's measured costs, "
                    "probing now and then once it stops paying; off: draft every step")
+    g.add_argument("--speculation", choices=("auto", "off"), default="auto",
+                   help="a batch (several --prompt): auto (default) drafts as many tokens per row as the drafter folder's "
+                   "speculation_profile.json (`selfdraft costs --drafter`) found to pay at the batch's live size, none "
+                   "where drafting does not pay; off: the drafter's own tree at every batch size")
     p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args) -> int:
-    from selfdraft.configs.decode import DecodeConfig, PromptLookupConfig, TreeConfig
+    from selfdraft.configs.decode import DecodeConfig, TreeConfig
     from selfdraft.heads.target import load_target
     from selfdraft.inference.api import generate
 
@@ -84,9 +90,11 @@ def _run_generate(args) -> int:
     DecodeConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                  seed=args.seed, acceptance="typical" if args.typical_acceptance else "exact")
     target = load_target(args.target, dtype=args.dtype, device=args.device)
+    if len(args.prompt) > 1:
+        return _generate_batch(args, target, tree)
     result = generate(
         target,
-        args.prompt,
+        args.prompt[0],
         drafter=args.drafter,
         chat=args.chat,
         max_new_tokens=args.max_new_tokens,
@@ -98,13 +106,7 @@ def _run_generate(args) -> int:
         tree=tree or None,
         schedule=args.schedule,
         adaptive=args.adaptive,
-        prompt_lookup=PromptLookupConfig(
-            max_ngram=args.lookup_max_ngram,
-            min_ngram=1,
-            num_tokens=args.lookup_tokens,
-            max_branches=args.lookup_branches,
-            max_nodes=args.max_nodes or max(PromptLookupConfig.max_nodes, args.lookup_tokens),
-        ),
+        prompt_lookup=_prompt_lookup(args),
     )
     if args.json:
         print(json.dumps(result.to_dict()))
@@ -118,6 +120,37 @@ def _run_generate(args) -> int:
                "not pay)" if result.skipped_steps else ""),
             file=sys.stderr,
         )
+    return 0
+
+
+def _prompt_lookup(args):
+    from selfdraft.configs.decode import PromptLookupConfig
+
+    return PromptLookupConfig(max_ngram=args.lookup_max_ngram, min_ngram=1, num_tokens=args.lookup_tokens,
+                              max_branches=args.lookup_branches,
+                              max_nodes=args.max_nodes or max(PromptLookupConfig.max_nodes, args.lookup_tokens))
+
+
+def _generate_batch(args, target, tree) -> int:
+    """`selfdraft generate` with several --prompt: one batch, a result per prompt."""
+    from selfdraft.inference.api import generate_batch
+
+    results = generate_batch(
+        target, args.prompt, drafter=args.drafter, chat=args.chat, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seeds=args.seed,
+        acceptance="typical" if args.typical_acceptance else "exact", tree=tree or None,
+        prompt_lookup=_prompt_lookup(args), speculation=args.speculation)
+    seconds = max(r.seconds for r in results)
+    tokens = sum(r.new_tokens for r in results)
+    for i, result in enumerate(results):
+        if args.json:
+            print(json.dumps({"row": i, **result.to_dict()}))
+            continue
+        print(result.text + ("\n" if i + 1 < len(results) else ""))
+        print(f"[{result.drafter}] row {i}: {result.new_tokens} tokens, {result.target_forwards} target forwards, "
+              f"acceptance length {result.acceptance_length:.2f}; done after {result.seconds:.2f} s", file=sys.stderr)
+    print(f"[{results[0].drafter}] batch of {len(results)}: {tokens} tokens in {seconds:.2f} s, "
+          f"{tokens / seconds:.1f} tokens/s", file=sys.stderr)
     return 0
 
 
@@ -295,6 +328,13 @@ def _add_bench(sub) -> None:
     p.add_argument("--fresh", action="store_true",
                    help="discard the journal (OUT/progress.jsonl) of an earlier run; without it, prompts it holds under "
                    "the same settings are reused and only the rest are decoded")
+    p.add_argument("--batch-sizes", type=_positive_ints, default=None, metavar="B1,B2,...",
+                   help="instead: tokens/s per batch size (e.g. 1,4,16), the prompts decoded B at a time by our batched "
+                   "loop, hf-greedy (batched generate()) and vllm:FOLDER (B requests in flight); greedy; writes "
+                   "batches.json, batches.md and batches.png")
+    p.add_argument("--speculation", choices=("auto", "off"), default="auto",
+                   help="with --batch-sizes: auto (default) lets a drafter folder's speculation_profile.json set the drafts "
+                   "per batch size; off: its own tree at every size")
     p.set_defaults(func=_run_bench)
 
 
@@ -305,6 +345,19 @@ def _run_bench(args) -> int:
 
     if args.limit < 0:
         raise SelfdraftError(f"--limit must be >= 0 (0 takes every prompt), got {args.limit}")
+    if args.batch_sizes:
+        from selfdraft.inference.bench.batched import REPORT, batch_table, run_batch_bench
+
+        if args.temperatures not in ("0", "0.0"):
+            raise SelfdraftError("--batch-sizes benches greedy decoding: leave --temperatures at 0")
+        methods = [m for text in (args.methods or ["hf-greedy,none,prompt-lookup"]) for m in split_methods(text)]
+        results = run_batch_bench(args.target, methods, args.tasks, args.batch_sizes, args.max_new_tokens,
+                                  args.limit or None, args.out, dtype=args.dtype, device=args.device,
+                                  speculation=args.speculation, plots=not args.no_plots,
+                                  command=shlex.join(["selfdraft", *args.argv]))
+        print(batch_table(results))
+        print(f"\nreport: {os.path.join(args.out, REPORT)} (batches.json and batches.png next to it)")
+        return 0
     methods = [m for text in (args.methods or ["hf-greedy,hf-prompt-lookup,none,prompt-lookup"]) for m in split_methods(text)]
     results = run_bench(
         args.target, methods, args.tasks, args.temperatures, args.max_new_tokens, args.limit or None, args.out,

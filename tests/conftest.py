@@ -194,6 +194,39 @@ def law():
                                  goodness_of_fit=goodness_of_fit)
 
 
+@pytest.fixture(scope="session")
+def random_kind_drafters():
+    """``random_kind_drafters(target)``: kind -> a randomly initialised EAGLE-3, Medusa, DFlash and DSpark
+    drafter of a tiny Llama ``target`` (at least 4 layers, a vocabulary of more than 60), seeded."""
+    import torch
+
+    from selfdraft.configs.decode import TreeConfig
+    from selfdraft.heads.kinds.block.decode import BlockDrafter
+    from selfdraft.heads.kinds.block.module import BlockHead, DFlashDims, DSparkDims
+    from selfdraft.heads.kinds.eagle import new_drafter
+    from selfdraft.heads.kinds.eagle.decode import EagleTreeDrafter
+    from selfdraft.heads.kinds.medusa.decode import MedusaDrafter
+    from selfdraft.heads.kinds.medusa.module import MedusaHeads
+    from selfdraft.heads.sparse_tree import sparse_tree
+
+    def make(target):
+        torch.manual_seed(3)
+        text = target.config
+        vocab = text.vocab_size
+        eagle3 = new_drafter(target, "eagle3", draft_vocab_size=60)
+        eagle3.set_vocab_map(torch.randperm(vocab)[:60])
+        out = {"eagle3": EagleTreeDrafter(eagle3.eval(), target, TreeConfig(3, 2, 4)),
+               "medusa": MedusaDrafter(MedusaHeads(text.hidden_size, vocab, num_heads=3, num_layers=1),
+                                       target, sparse_tree(torch.tensor([[0.5, 0.3, 0.1]] * 3), 6))}
+        for kind, dims_class, extra in (("dflash", DFlashDims, {}), ("dspark", DSparkDims, {"markov_rank": 4})):
+            dims = dims_class.shaped_like(text, block_size=4, num_layers=1, draft_vocab_size=vocab,
+                                          mask_token_id=vocab - 1, target_layers=(1, 3), **extra)
+            out[kind] = BlockDrafter(BlockHead(dims).eval(), target, TreeConfig(depth=3, top_k=1, max_nodes=3))
+        return out
+
+    return make
+
+
 # --- briefly trained drafters of the embedded target, for the engine tests -------------------------
 
 ENGINE_PROMPTS = (0, 10, 20, 30, 40, 50, 60, 70)
@@ -225,15 +258,16 @@ def trained_smollm2(embedded_fp32, engine_prompts, tmp_path_factory):
     they need (the same batches as online features, bit for bit, without the target's forward in each
     step): about a minute of CPU in all."""
     from selfdraft.configs.run import load_run_config
-    from selfdraft.inference.api import generate
+    from selfdraft.inference.api import generate_batch
     from selfdraft.train.features import cache_features, feature_layers
     from selfdraft.train.loop import train
 
     root = tmp_path_factory.mktemp("trained-smollm2")
     data = root / "own-answers.jsonl"
+    # One batch (exact per row, tests/test_batch.py): a third of the time of one prompt after another.
+    answers = generate_batch(embedded_fp32, [p.text for p in engine_prompts], chat=True, max_new_tokens=64)
     with open(data, "w", encoding="utf-8") as f:
-        for prompt in engine_prompts:
-            answer = generate(embedded_fp32, prompt.text, chat=True, max_new_tokens=64).text
+        for prompt, answer in zip(engine_prompts, (a.text for a in answers)):
             f.write(json.dumps({"messages": [{"role": "user", "content": prompt.text},
                                              {"role": "assistant", "content": answer}]}) + "\n")
 

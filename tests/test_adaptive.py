@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from selfdraft.configs.decode import DRAFT_MODEL_TREE, DecodeConfig, PromptLookupConfig, TreeConfig
+from selfdraft.configs.decode import DRAFT_MODEL_TREE, DecodeConfig, PromptLookupConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.adaptive import Throttle, throttle_for
 from selfdraft.inference.decode import speculative_decode
@@ -144,36 +144,12 @@ class HalfRight(Drafter):
         return DraftTree.chain(tokens), state
 
 
-def trained_kind_drafters(target):
-    """Randomly initialised EAGLE-3, Medusa, DFlash and DSpark drafters of ``target``."""
-    from selfdraft.heads.kinds.block.decode import BlockDrafter
-    from selfdraft.heads.kinds.block.module import BlockHead, DFlashDims, DSparkDims
-    from selfdraft.heads.kinds.eagle import new_drafter
-    from selfdraft.heads.kinds.eagle.decode import EagleTreeDrafter
-    from selfdraft.heads.kinds.medusa.decode import MedusaDrafter
-    from selfdraft.heads.kinds.medusa.module import MedusaHeads
-    from selfdraft.heads.sparse_tree import sparse_tree
-
-    torch.manual_seed(3)
-    text = target.config
-    eagle3 = new_drafter(target, "eagle3", draft_vocab_size=60)
-    eagle3.set_vocab_map(torch.randperm(VOCAB)[:60])
-    out = {"eagle3": EagleTreeDrafter(eagle3.eval(), target, TreeConfig(3, 2, 4)),
-           "medusa": MedusaDrafter(MedusaHeads(64, VOCAB, num_heads=3, num_layers=1),
-                                   target, sparse_tree(torch.tensor([[0.5, 0.3, 0.1]] * 3), 6))}
-    for kind, dims_class, extra in (("dflash", DFlashDims, {}), ("dspark", DSparkDims, {"markov_rank": 4})):
-        dims = dims_class.shaped_like(text, block_size=4, num_layers=1, draft_vocab_size=VOCAB, mask_token_id=VOCAB - 1,
-                                      target_layers=(1, 3), **extra)
-        out[kind] = BlockDrafter(BlockHead(dims).eval(), target, TreeConfig(depth=3, top_k=1, max_nodes=3))
-    return out
-
-
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama(0)
 
 
-def test_every_drafter_stays_exact_under_the_throttle(target):
+def test_every_drafter_stays_exact_under_the_throttle(target, random_kind_drafters):
     """Greedy output equals generate() with the throttle on, for every drafter; drafters that accept
     little are switched off and probed (drafted + plain steps = verification steps)."""
     draft = tiny_llama(1, layers=1, hidden=32)
@@ -185,7 +161,7 @@ def test_every_drafter_stays_exact_under_the_throttle(target):
         "prompt-lookup": PromptLookupDrafter(PromptLookupConfig(max_branches=2, num_tokens=4, max_nodes=8)),
         "draft-model": DraftModelDrafter(draft, dataclasses.replace(DRAFT_MODEL_TREE, depth=3, top_k=2, max_nodes=6)),
         "half-right": HalfRight(prompt + ref, len(prompt)),
-        **trained_kind_drafters(target),
+        **random_kind_drafters(target),
     }
     # Verifying costs little more than one token, drafting a fifth of a forward: a drafter pays from
     # about 1.3 tokens a step.
@@ -204,7 +180,7 @@ def test_every_drafter_stays_exact_under_the_throttle(target):
             assert s.drafted_steps > 10 and s.skipped_steps > 5, (s.drafted_steps, s.skipped_steps)
 
 
-def test_copy_and_hybrid_drafters_are_exact_with_every_drafter_kind():
+def test_copy_and_hybrid_drafters_are_exact_with_every_drafter_kind(random_kind_drafters):
     """Greedy output equals generate() for the hybrid of copying with a draft model and with every trained
     kind (random weights), and for copying alone, under the throttle and without it."""
     from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter
@@ -218,7 +194,7 @@ def test_copy_and_hybrid_drafters_are_exact_with_every_drafter_kind():
     ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n)[0, len(prompt):].tolist()
     schedule = VerifySchedule(linear_cost(1.0, 0.02))
     inner = {"draft-model": DraftModelDrafter(draft, dataclasses.replace(DRAFT_MODEL_TREE, depth=3, top_k=2, max_nodes=6)),
-             **trained_kind_drafters(target)}
+             **random_kind_drafters(target)}
     drafters = {"copy": CopyDrafter(), **{f"hybrid({k})": HybridDrafter(d, schedule=schedule, model_seconds=0.1)
                                           for k, d in inner.items()}}
     copied = 0

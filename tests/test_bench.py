@@ -374,3 +374,49 @@ def test_vllm_rows_come_from_the_engines_own_counters(tiny_target, tmp_path, mon
     with pytest.raises(SelfdraftError, match="setup_vllm.sh"):
         bench.run_bench(str(tiny_target), "vllm:none", "humaneval", max_new_tokens=7, limit=1, out=tmp_path / "x",
                         plots=False, progress=False)
+
+
+def test_batch_sizes_bench_reports_tokens_per_second_per_size(tiny_target, tmp_path, monkeypatch, caplog):
+    """`selfdraft bench --batch-sizes`: every method at every batch size, tokens/s and speedup over `none`
+    at the same size, every row checked against `none` at batch 1; hf-greedy batched (left padded) and
+    vllm:FOLDER with B requests in flight (the worker a stub here: it gets the concurrency and returns one
+    group per B prompts); methods that decode one prompt at a time are refused."""
+    import shlex
+
+    from selfdraft import cli
+    from selfdraft.inference import vllm_engine
+    from selfdraft.inference.bench.batched import run_batch_bench
+
+    calls = []
+
+    def fake_run_vllm(target, prompts, max_new_tokens, *, concurrency=1, **kwargs):
+        calls.append(concurrency)
+        tokens = [[5] * max_new_tokens for _ in prompts]
+        if concurrency == 1:
+            return {"vllm_version": "0.32.0", "results": [{"token_ids": t, "seconds": 0.5, "drafts": 0,
+                                                           "accepted_tokens": 0} for t in tokens]}
+        return {"vllm_version": "0.32.0", "batches": [{"seconds": 0.5, "token_ids": tokens[i:i + concurrency], "drafts": 0,
+                                                       "accepted_tokens": 0} for i in range(0, len(tokens), concurrency)]}
+
+    monkeypatch.setattr(vllm_engine, "vllm_python", lambda: tmp_path / "python")
+    monkeypatch.setattr(vllm_engine, "run_vllm", fake_run_vllm)
+    results = run_batch_bench(str(tiny_target), "prompt-lookup,hf-greedy,vllm:none", "humaneval", [1, 2], max_new_tokens=6,
+                              limit=3, out=tmp_path / "b", plots=True, progress=False)
+    rows = {(r["method"], r["batch"]): r for r in results["rows"]}
+    assert set(rows) == {(m, b) for m in ("none", "prompt-lookup", "hf-greedy", "vllm:none") for b in (1, 2)}
+    for (method, batch), r in rows.items():
+        assert r["prompts"] == 3 and r["tokens_per_second"] > 0, r
+        if method != "vllm:none":
+            assert r["exact_rows"] == 3, r  # ours and transformers' batched greedy equal `none` alone
+    assert rows[("none", 2)]["speedup"] == 1.0 and rows[("none", 1)]["acceptance_length"] == 1.0
+    assert rows[("vllm:none", 2)]["seconds"] == 1.0 and calls == [1, 2]  # 3 prompts: groups of 2 and 1
+    assert results["meta"]["engines"] == {"vllm:none": "vllm 0.32.0"}
+    for name in ("batches.json", "batches.md", "batches.png"):
+        assert (tmp_path / "b" / name).stat().st_size > 0
+    assert "| prompt-lookup |" in (tmp_path / "b" / "batches.md").read_text()
+    with pytest.raises(SelfdraftError, match="decode one prompt at a time"):
+        run_batch_bench(str(tiny_target), "hf-prompt-lookup", "humaneval", [1], limit=1, out=tmp_path / "x", plots=False)
+    with pytest.raises(SelfdraftError, match="batch sizes must be integers >= 1"):
+        run_batch_bench(str(tiny_target), "none", "humaneval", [0], limit=1, out=tmp_path / "x", plots=False)
+    assert cli.main(shlex.split(f"bench --target {tiny_target} --batch-sizes 1,2 --temperatures 1 --out {tmp_path / 'y'}"))
+    assert "leave --temperatures at 0" in caplog.text and not (tmp_path / "y").exists()

@@ -95,7 +95,7 @@ def test_drafter_cache_stays_aligned_with_the_sequence(target):
     out = session.prefill(prompt)
     state = drafter.start(prompt, out)
     sequence = prompt + [int(out.logits[-1].argmax())]
-    from selfdraft.inference.decode import _buffers
+    from selfdraft.inference.decode import tree_buffers
     from selfdraft.inference.drafters import Verified
     from selfdraft.inference.verify import greedy_verify
 
@@ -106,7 +106,7 @@ def test_drafter_cache_stays_aligned_with_the_sequence(target):
         fresh_state = drafter.start(sequence[:-1], fresh.prefill(sequence[:-1]))
         fresh_state = drafter._catch_up(fresh_state, sequence)
         torch.testing.assert_close(fresh_state.out, state.out, rtol=1e-4, atol=1e-5)
-        buffers = _buffers(tree)
+        buffers = tree_buffers(tree)
         step = session.verify(sequence[-1], tree, buffers)
         accepted, bonus = greedy_verify(step.logits, tree.tokens, buffers)
         session.commit([0] + accepted)

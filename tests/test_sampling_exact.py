@@ -44,6 +44,7 @@ from selfdraft.inference.verify import sample_verify, target_probs
 
 VOCAB = 8
 PROMPT = (1, 5, 3)
+OTHER_PROMPT = (2, 7, 1, 4, 6)  # a second prompt, longer, for the batched rows
 NEW_TOKENS = 4  # L: continuations are the V^L token tuples
 ALPHA = 1e-3  # a correct sampler fails a single configuration this rarely
 REJECT = 1e-6  # the planted biased rule must fall below this
@@ -507,6 +508,38 @@ def test_real_session_has_target_distribution(target_model, target, drafters, la
     pvalue, tv = _check(law, f"CausalLMSession tree {sampling}", samples, probs, time.perf_counter() - start)
     assert pvalue > ALPHA, f"CausalLMSession, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
     _assert_exercised(samples, "CausalLMSession tree")
+
+
+@pytest.mark.slow
+def test_each_row_of_a_batch_has_its_prompts_distribution(target_model, target, drafters, law):
+    """Batched decoding (inference/batch.py): rows of two prompts of different lengths (so one is padded),
+    each with its own seed, in batches of 4 through one BatchSession per batch; every row's
+    continuations follow its own prompt's law (chi-square per row and per prompt)."""
+    from selfdraft.inference.batch import BatchSession, batched_decode
+
+    sampling, batches = Sampling(1.0), 1_000
+    prompts = [PROMPT, OTHER_PROMPT, PROMPT, OTHER_PROMPT]
+    laws = {p: law.exact_logits(target.host, VOCAB, p, NEW_TOKENS, sampling) for p in (PROMPT, OTHER_PROMPT)}
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS, temperature=sampling.temperature, stop_on_eos=False)
+    rows = [Samples(np.zeros(VOCAB**NEW_TOKENS, dtype=np.int64), Counter(), Counter()) for _ in prompts]
+    start = time.perf_counter()
+    for b in range(batches):
+        outs = batched_decode(BatchSession(target_model), prompts, drafters["tree"], config,
+                              seeds=[3 * 10**6 + 4 * b + i for i in range(len(prompts))])
+        for samples, out in zip(rows, outs):
+            assert len(out.token_ids) == NEW_TOKENS, out
+            samples.counts[np.ravel_multi_index(tuple(out.token_ids), (VOCAB,) * NEW_TOKENS)] += 1
+            samples.drafted.update(out.stats.depth_drafted)
+            samples.accepted.update(out.stats.depth_accepted)
+    elapsed = time.perf_counter() - start
+    for i, (prompt, samples) in enumerate(zip(prompts, rows)):
+        pvalue, tv = _check(law, f"batch row {i} {sampling}", samples, laws[prompt], elapsed)
+        assert pvalue > ALPHA, f"row {i}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={batches})"
+        _assert_exercised(samples, f"batch row {i}")
+    for prompt in (PROMPT, OTHER_PROMPT):
+        pooled = Samples(sum(s.counts for p, s in zip(prompts, rows) if p == prompt), Counter(), Counter())
+        pvalue, tv = _check(law, f"batch rows of {prompt} {sampling}", pooled, laws[prompt], elapsed)
+        assert pvalue > ALPHA, f"prompt {prompt}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f})"
 
 
 def test_sample_verify_on_hand_made_tree(law, test_device):

@@ -1,0 +1,319 @@
+"""Batched speculative decoding: B prompts in one target forward per step, each row with its own tree.
+
+Why a batch: a step of a small model on a CPU (or any model on a GPU) is bound by reading the weights,
+so B rows cost far less than B steps; speculative decoding spends the same spare compute on draft
+tokens, which is why its gain shrinks as the batch grows (inference/speculation.py plans for that).
+
+The cache (a :class:`BatchSession`): one ``DynamicCache`` of shape (B, H, S, D) whose slots are shared
+by position in the tensor, not by position in the text. Each row has its own length (its next position
+id, fed explicitly) and a (B, S) validity mask: which slots hold one of its committed tokens. A step
+feeds every row's tree (padded to the largest, M positions) after the S slots; committing moves each
+row's accepted path to the front of the new block and marks the rest of the block invalid for that
+row, so a row that accepted fewer tokens than another leaves masked holes instead of forcing a copy
+of the whole cache. The slot count grows by the most tokens any row kept per step (a few per step),
+and rows that finish leave the batch at once (their cache rows are dropped, and slot columns no row
+still uses are cut), so the holes stay small. A paged cache would avoid them at the price of a kernel
+transformers does not have on the CPU.
+
+Padded positions (prompts shorter than the longest, trees smaller than the largest) attend to
+themselves only, so every row of the additive mask has an allowed entry and nothing padded is ever
+visible to a real token: each row's logits are what that row's own batch-1 forward computes, up to
+the float rounding of a larger matrix product.
+
+Exactness is per row, as at batch 1: greedy rows take the argmax path; sampled rows each have their
+own random generator (seeded per row) and go through the same verification rule, so each row keeps
+the target's distribution. The drafter keeps one state per row (``Drafter.start`` / ``propose`` /
+``observe`` with explicit state, so one drafter object serves every row); drafting runs row by row.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from selfdraft.configs.decode import DecodeConfig
+from selfdraft.errors import SelfdraftError
+from selfdraft.inference.decode import DecodeOutput, DecodeStats, SampleRule, tree_buffers
+from selfdraft.inference.drafters import Drafter, Verified
+from selfdraft.inference.session import StepOutput
+from selfdraft.inference.tree import DraftTree, TreeBuffers
+from selfdraft.inference.verify import choose_token, greedy_verify, sample_verify, target_probs, typical_verify
+
+
+class BatchSession:
+    """Cache state of a batch of sequences of one transformers causal LM (see the module docstring)."""
+
+    def __init__(self, model, hidden_layers: Sequence[int] = ()):
+        self.model = model
+        self.hidden_layers = tuple(hidden_layers)
+        self.cache = DynamicCache(config=model.config)
+        self.device = model.device
+        self.mask_dtype = next(model.parameters()).dtype
+        self.lengths: list[int] = []
+        """Per row: committed tokens, which is also the position id of its next token."""
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+        """(B, S): the slots that hold a committed token of that row."""
+        self._base = 0  # slots before the last verify
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def slots(self) -> int:
+        return self.valid.shape[1]
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, keep_logits):
+        """ids, positions (B, T); visible (B, T, S + T) bool: which slots each fed token may attend to."""
+        mask = torch.zeros(visible.shape[0], 1, *visible.shape[1:], dtype=self.mask_dtype, device=self.device)
+        mask.masked_fill_(~visible[:, None], torch.finfo(self.mask_dtype).min)
+        return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True,
+                          logits_to_keep=keep_logits, output_hidden_states=bool(self.hidden_layers))
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> list[StepOutput]:
+        """Feed B prompts (padded to the longest) into an empty cache. Per row: logits (1, V) at its last
+        position, hidden states (T_i, D) at every one of its positions."""
+        if self.rows:
+            raise SelfdraftError("prefill needs an empty BatchSession: make a new one per batch")
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        ids = ids.to(self.device)
+        slot = torch.arange(width, device=self.device)
+        real = slot[None, :] < torch.tensor(lengths, device=self.device)[:, None]  # (B, T)
+        causal = slot[None, :] <= slot[:, None]  # (T, T): query j sees keys k <= j
+        visible = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
+        last = sorted(set(n - 1 for n in lengths))  # the logits kept: each row's last position
+        out = self._forward(ids, slot.expand(len(prompts), width), visible,
+                            torch.tensor(last, dtype=torch.long, device=self.device))
+        column = {n: j for j, n in enumerate(last)}
+        self.lengths, self.valid = lengths, real
+        return [StepOutput(logits=out.logits[i, column[n - 1]][None],
+                           hidden=tuple(out.hidden_states[layer][i, :n] for layer in self.hidden_layers))
+                for i, n in enumerate(lengths)]
+
+    @torch.inference_mode()
+    def verify(self, roots: Sequence[int], trees: Sequence[DraftTree], buffers: Sequence[TreeBuffers]) -> list[StepOutput]:
+        """Feed each row's root and tree (padded to the largest, M positions) in one forward. Per row: logits
+        (M_i, V) and hidden states (M_i, D) of its own positions. :meth:`commit` keeps the accepted paths."""
+        rows, past = self.rows, self.slots
+        sizes = [b.size for b in buffers]
+        width = max(sizes)
+        host = torch.zeros(2, rows, width, dtype=torch.long)
+        new = torch.zeros(rows, width, width, dtype=torch.bool)  # (B, M, M): tree positions each may see
+        for i, (root, tree, b) in enumerate(zip(roots, trees, buffers)):
+            m = sizes[i]
+            host[0, i, :m] = torch.tensor([int(root), *tree.token_ids], dtype=torch.long)
+            host[1, i, :m] = torch.tensor(b.depths, dtype=torch.long) + self.lengths[i]
+            host[1, i, m:] = self.lengths[i]
+            new[i, :m, :m] = b.ancestors.cpu()
+            new[i, m:, m:] = torch.eye(width - m, dtype=torch.bool)  # padding sees itself only
+        host, new = host.to(self.device), new.to(self.device)
+        real = torch.arange(width, device=self.device)[None, :] < torch.tensor(sizes, device=self.device)[:, None]
+        cached = self.valid[:, None, :] & real[:, :, None]  # (B, M, S): real positions see their row's tokens
+        out = self._forward(host[0], host[1], torch.cat([cached, new], dim=2), 0)
+        self._base = past
+        self.valid = torch.cat([self.valid, torch.zeros(rows, width, dtype=torch.bool, device=self.device)], dim=1)
+        return [StepOutput(logits=out.logits[i, :m], hidden=tuple(out.hidden_states[layer][i, :m]
+                                                                  for layer in self.hidden_layers))
+                for i, m in enumerate(sizes)]
+
+    @torch.inference_mode()
+    def commit(self, keeps: Sequence[Sequence[int]]) -> None:
+        """Per row, keep only the tree positions ``keeps[i]`` (root first, then the accepted path) of the
+        last verify: they move to the front of the new block, in order; the block is cut to the longest."""
+        base, most = self._base, max(len(k) for k in keeps)
+        if not all(list(k) == list(range(len(k))) for k in keeps):  # a row kept a branch: move its path forward
+            index = torch.tensor([[base + j for j in k] + [base + k[-1]] * (most - len(k)) for k in keeps],
+                                 dtype=torch.long, device=self.device)  # (B, K); padding repeats a kept slot
+            for layer in self.cache.layers:
+                b, h, _, d = layer.keys.shape
+                where = index[:, None, :, None].expand(b, h, most, d)
+                layer.keys[:, :, base: base + most] = layer.keys.gather(2, where)  # (B, H, S, D)
+                layer.values[:, :, base: base + most] = layer.values.gather(2, where)
+        if self.slots > base + most:  # the kept slots lead the block: cut it to the longest
+            self.cache.crop(-(self.slots - base - most))
+        counts = torch.tensor([len(k) for k in keeps], device=self.device)
+        kept = torch.arange(most, device=self.device)[None, :] < counts[:, None]
+        self.valid = torch.cat([self.valid[:, :base], kept], dim=1)
+        self.lengths = [n + len(k) for n, k in zip(self.lengths, keeps)]
+
+    @torch.inference_mode()
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only these rows (in this order), and only the slot columns some kept row still uses."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        valid = self.valid.index_select(0, index)
+        used = valid.any(dim=0)
+        columns = used.nonzero().squeeze(1) if not bool(used.all()) else None
+        for layer in self.cache.layers:
+            layer.batch_select_indices(index)
+            if columns is not None:
+                layer.keys, layer.values = layer.keys[:, :, columns], layer.values[:, :, columns]
+        self.valid = valid if columns is None else valid[:, columns]
+        self.lengths = [self.lengths[i] for i in rows]
+
+
+class _Row:
+    """One prompt's decoding state inside a batch."""
+
+    def __init__(self, index: int, prompt: list[int], generator: torch.Generator | None):
+        self.index = index
+        self.sequence = list(prompt)
+        self.emitted: list[int] = []
+        self.stats = DecodeStats()
+        self.generator = generator
+        self.state = None
+        self.stop_reason = "max_new_tokens"
+        self.seconds = 0.0
+
+
+NodeBudget = Callable[[int], "int | None"]
+"""Live batch size -> the most draft nodes per row this step (0: a plain step; None: the drafter's tree)."""
+
+
+def batched_decode(
+    session: BatchSession,
+    prompts: Sequence[Sequence[int]],
+    drafter: Drafter,
+    config: DecodeConfig,
+    *,
+    seeds: Sequence[int | None] | None = None,
+    eos_token_ids: Sequence[int] = (),
+    max_context: int | None = None,
+    nodes_for_batch: NodeBudget | None = None,
+    sample_rule: SampleRule = sample_verify,
+) -> list[DecodeOutput]:
+    """Generate up to ``config.max_new_tokens`` tokens after each prompt, all rows in one target forward
+    per step. Returns one :class:`DecodeOutput` per prompt, in order; a row's ``seconds`` is the time
+    until it finished (its latency in the batch).
+
+    Each row's greedy output equals its own batch-1 output; sampled rows keep the target's distribution,
+    row by row. ``seeds``: one per prompt (default: ``config.seed`` for every row, so a row decodes as
+    the same prompt alone with that seed would). ``nodes_for_batch``: the node budget per row for the
+    current number of live rows (the speculation schedule's; 0 switches drafting off at that size).
+    """
+    prompts = [list(p) for p in prompts]
+    if not prompts:
+        raise SelfdraftError("the batch is empty: give at least one prompt")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise SelfdraftError(f"prompt {i} of the batch is empty: give at least one token")
+        if max_context is not None and len(p) > max_context:
+            raise SelfdraftError(f"prompt {i} of the batch has {len(p)} tokens but the model's context holds "
+                                 f"{max_context}; shorten it or use a model with a longer context")
+    seeds = [config.seed] * len(prompts) if seeds is None else list(seeds)
+    if len(seeds) != len(prompts):
+        raise SelfdraftError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one per prompt")
+    eos = set(int(t) for t in eos_token_ids) if config.stop_on_eos else set()
+    start = time.perf_counter()
+
+    outs = session.prefill(prompts)
+    rows = []
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        generator = None
+        if not config.greedy:
+            generator = torch.Generator(device=out.logits.device)
+            generator.seed() if seeds[i] is None else generator.manual_seed(seeds[i])
+        row = _Row(i, prompt, generator)
+        row.stats.target_forwards = 1
+        first = choose_token(out.logits[-1].float(), config, generator)
+        row.emitted.append(first)
+        row.sequence.append(first)
+        row.stats.accept_histogram[1] += 1
+        t0 = time.perf_counter()
+        row.state = drafter.start(prompt, out)
+        row.stats.draft_seconds += time.perf_counter() - t0
+        if first in eos:
+            row.stop_reason = "eos"
+        rows.append(row)
+    live = _finish(session, rows, config, max_context, start)
+
+    while live:
+        budget = nodes_for_batch(len(live)) if nodes_for_batch is not None else None
+        trees, buffers = [], []
+        for i, row in enumerate(live):
+            remaining = config.max_new_tokens - len(row.emitted)
+            if budget == 0:  # drafting does not pay at this batch size: a plain step
+                tree = DraftTree.empty()
+                row.stats.skipped_steps += 1
+            else:
+                t0 = time.perf_counter()
+                tree, row.state = drafter.propose(row.state, row.sequence)
+                row.stats.draft_seconds += time.perf_counter() - t0
+                row.stats.drafted_steps += 1
+            row.stats.proposed_nodes += tree.num_nodes
+            max_depth = remaining - 1
+            if max_context is not None:
+                max_depth = min(max_depth, max_context - 1 - session.lengths[i])
+            tree = tree.prune(max_depth=max_depth, max_nodes=tree.num_nodes if budget is None else min(budget, tree.num_nodes))
+            trees.append(tree)
+            buffers.append(tree_buffers(tree))
+
+        outs = session.verify([row.sequence[-1] for row in live], trees, buffers)
+        keeps, news = [], []
+        for row, tree, b, out in zip(live, trees, buffers, outs):
+            row.stats.target_forwards += 1
+            if config.greedy:
+                accepted, bonus = greedy_verify(out.logits, tree.token_ids, b)
+            else:
+                probs = target_probs(out.logits, config.temperature, config.top_k, config.top_p)
+                if config.lossy:
+                    accepted, bonus = typical_verify(probs, tree.token_ids, b, row.generator,
+                                                     config.typical_epsilon, config.typical_delta)
+                else:
+                    accepted, bonus = sample_rule(probs, tree.token_ids, b, row.generator)
+            keeps.append([0] + accepted)
+            new = [tree.token_ids[i - 1] for i in accepted] + [bonus]
+            for i, tok in enumerate(new):
+                if tok in eos:
+                    new = new[: i + 1]
+                    row.stop_reason = "eos"
+                    break
+            new = new[: config.max_new_tokens - len(row.emitted)]
+            row.emitted += new
+            row.sequence += new
+            row.stats.accept_histogram[len(new)] += 1
+            row.stats.draft_nodes += tree.num_nodes
+            for d in range(1, b.max_depth + 1):
+                row.stats.depth_drafted[d] += 1
+                row.stats.depth_accepted[d] += d <= len(accepted)
+            news.append(new)
+        session.commit(keeps)
+
+        for row, keep, new, out in zip(live, keeps, news, outs):
+            if row.stop_reason == "eos":
+                continue
+            t0 = time.perf_counter()
+            hidden = ()
+            if out.hidden:  # the root and the accepted positions
+                index = torch.tensor(keep, dtype=torch.long, device=out.hidden[0].device)
+                hidden = tuple(h.index_select(0, index) for h in out.hidden)
+            row.state = drafter.observe(row.state, Verified(tokens=new, hidden=hidden))
+            row.stats.draft_seconds += time.perf_counter() - t0
+        live = _finish(session, live, config, max_context, start)
+
+    return [DecodeOutput(token_ids=row.emitted, stats=row.stats, seconds=row.seconds, stop_reason=row.stop_reason)
+            for row in rows]
+
+
+def _finish(session: BatchSession, live: list[_Row], config: DecodeConfig, max_context: int | None,
+            start: float) -> list[_Row]:
+    """The rows that go on (in session order); finished ones get their time and leave the session."""
+    going = []
+    for i, row in enumerate(live):
+        if row.stop_reason != "eos" and max_context is not None and session.lengths[i] >= max_context \
+                and len(row.emitted) < config.max_new_tokens:
+            row.stop_reason = "context"  # no position left for the root
+        if row.stop_reason in ("eos", "context") or len(row.emitted) >= config.max_new_tokens:
+            row.seconds = time.perf_counter() - start
+        else:
+            going.append(i)
+    if going and len(going) < len(live):
+        session.select(going)
+    return [live[i] for i in going]

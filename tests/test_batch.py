@@ -1,0 +1,200 @@
+"""Batched decoding (inference/batch.py): several prompts in one target forward per step, each row with
+its own tree, cache validity and acceptance, exact per row.
+
+Greedy: every row equals transformers' generate() and its own batch-1 output, for every drafter kind,
+prompts of different lengths, rows that stop early (EOS, the context) and a batch that shrinks as they
+leave. Sampled: each row equals its own batch-1 output under the same seed (the batch-1 loop's law is
+what test_sampling_exact.py checks; the chi-square harness per row of a batch is there too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from selfdraft.configs.decode import DRAFT_MODEL_TREE, DecodeConfig, PromptLookupConfig
+from selfdraft.errors import SelfdraftError
+from selfdraft.inference.batch import BatchSession, batched_decode
+from selfdraft.inference.decode import speculative_decode
+from selfdraft.inference.drafters import DraftModelDrafter, NoDrafter, PromptLookupDrafter
+from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter
+from selfdraft.inference.session import CausalLMSession
+
+VOCAB = 97
+PROMPTS = [[5, 17, 3, 88, 41, 5, 17, 3, 60, 2, 9, 5, 17, 3], [7], [40, 41, 42, 40, 41], [11, 12, 13, 14, 15, 16, 17, 11, 12]]
+
+
+def tiny_llama(seed: int, layers: int = 4, hidden: int = 64) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0)
+
+
+@pytest.fixture(scope="module")
+def drafters(target, random_kind_drafters):
+    draft = tiny_llama(1, layers=1, hidden=32)
+    kinds = random_kind_drafters(target)
+    return {
+        "none": NoDrafter(),
+        "prompt-lookup": PromptLookupDrafter(PromptLookupConfig(max_branches=2, num_tokens=4, max_nodes=8, min_ngram=1)),
+        "draft-model": DraftModelDrafter(draft, dataclasses.replace(DRAFT_MODEL_TREE, depth=3, top_k=2, max_nodes=6)),
+        "self-draft": DraftModelDrafter(target, dataclasses.replace(DRAFT_MODEL_TREE, depth=4, top_k=2, max_nodes=8)),
+        "copy": CopyDrafter(),
+        "hybrid-eagle3": HybridDrafter(kinds["eagle3"], CopyDrafter()),
+        **kinds,
+    }
+
+
+def reference(model, prompt, n):
+    x = torch.tensor([prompt])
+    return model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n)[0, len(prompt):].tolist()
+
+
+def test_every_row_is_greedy_exact_with_every_drafter(target, drafters):
+    """Each row of a batch of 4 prompts (1 to 14 tokens) equals generate() and its own batch-1 output, for
+    every drafter; the self-drafting target accepts long paths, so rows commit different token counts per
+    step (the cache's holes), and the batch statistics are each row's own."""
+    n = 32
+    refs = [reference(target, p, n) for p in PROMPTS]
+    config = DecodeConfig(max_new_tokens=n)
+    for name, drafter in drafters.items():
+        session = BatchSession(target, hidden_layers=drafter.hidden_layers)
+        outs = batched_decode(session, PROMPTS, drafter, config)
+        for i, (out, ref) in enumerate(zip(outs, refs)):
+            assert out.token_ids == ref, f"{name}, row {i}: first divergence at " \
+                f"{next(j for j, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b)}"
+            alone = speculative_decode(CausalLMSession(target, hidden_layers=drafter.hidden_layers), PROMPTS[i], drafter,
+                                       config)
+            assert out.stats.target_forwards == alone.stats.target_forwards, (name, i)
+            assert out.stats.accept_histogram == alone.stats.accept_histogram, (name, i)
+        if name == "self-draft":
+            assert all(n / out.stats.target_forwards > 2.5 for out in outs), [o.stats.target_forwards for o in outs]
+
+
+def test_rows_that_stop_early_leave_the_batch_and_the_rest_stay_exact(target, drafters):
+    """An EOS token that some rows emit early and others never, and a context that the longest prompt
+    reaches first: each row stops for its own reason at its own step, and the rows left go on exactly."""
+    n = 30
+    refs = [reference(target, p, n) for p in PROMPTS]
+    eos = refs[2][4]  # row 2 stops at its fifth token; the other rows stop where they emit it, if they do
+    config = DecodeConfig(max_new_tokens=n)
+    context = len(PROMPTS[0]) + 12
+    for name in ("none", "prompt-lookup", "self-draft", "eagle3"):
+        drafter = drafters[name]
+        outs = batched_decode(BatchSession(target, hidden_layers=drafter.hidden_layers), PROMPTS, drafter, config,
+                              eos_token_ids=[eos], max_context=context)
+        for i, out in enumerate(outs):
+            alone = speculative_decode(CausalLMSession(target, hidden_layers=drafter.hidden_layers), PROMPTS[i], drafter,
+                                       config, eos_token_ids=[eos], max_context=context)
+            assert (out.token_ids, out.stop_reason) == (alone.token_ids, alone.stop_reason), (name, i)
+        assert outs[2].stop_reason == "eos" and len(outs[2].token_ids) <= 5
+        assert outs[0].stop_reason == "context" or eos in outs[0].token_ids
+
+
+def test_the_node_budget_follows_the_live_batch_size(target, drafters):
+    """``nodes_for_batch``: no drafting while 3 rows are live, 2 nodes per row once one has left (it stops
+    at an EOS token early); the rows stay exact, and the steps drafted and skipped say which applied."""
+    n = 24
+    refs = [reference(target, p, n) for p in PROMPTS[:3]]
+    eos = next(t for t in refs[2][3:] if t not in refs[0] + refs[1] + refs[2][:3])  # row 2 alone stops, early
+    seen = []
+
+    def budget(rows):
+        seen.append(rows)
+        return 0 if rows >= 3 else 2
+
+    config = DecodeConfig(max_new_tokens=n)
+    drafter = drafters["self-draft"]
+    outs = batched_decode(BatchSession(target), PROMPTS[:3], drafter, config, eos_token_ids=[eos], nodes_for_batch=budget)
+    for i, out in enumerate(outs):
+        alone = speculative_decode(CausalLMSession(target), PROMPTS[i], drafter, config, eos_token_ids=[eos])
+        assert out.token_ids == alone.token_ids, i
+        s = out.stats
+        assert s.drafted_steps + s.skipped_steps == s.target_forwards - 1
+        assert s.draft_nodes <= 2 * s.drafted_steps
+    assert seen[0] == 3 and 2 in seen
+    assert outs[2].stop_reason == "eos" and outs[2].stats.drafted_steps == 0 and outs[2].stats.skipped_steps > 0
+    going = [out for out in outs if out.stop_reason != "eos" or len(out.token_ids) > len(outs[2].token_ids)]
+    assert going and all(out.stats.drafted_steps > 0 and out.stats.skipped_steps > 0 for out in going)
+
+
+def test_sampled_rows_equal_their_batch_one_runs_under_the_same_seed(target, drafters):
+    """Temperature 1 with top-p, a seed per row: each row's tokens equal the same prompt decoded alone with
+    that seed, so the batch keeps the batch-1 loop's (lossless) law row by row."""
+    config = DecodeConfig(max_new_tokens=24, temperature=1.0, top_p=0.9)
+    seeds = [11, 12, 13, 14]
+    for name in ("none", "prompt-lookup", "draft-model", "dflash"):
+        drafter = drafters[name]
+        outs = batched_decode(BatchSession(target, hidden_layers=drafter.hidden_layers), PROMPTS, drafter, config,
+                              seeds=seeds)
+        for i, out in enumerate(outs):
+            alone = speculative_decode(CausalLMSession(target, hidden_layers=drafter.hidden_layers), PROMPTS[i], drafter,
+                                       dataclasses.replace(config, seed=seeds[i]))
+            assert out.token_ids == alone.token_ids, (name, i)
+
+
+def test_bad_batches_are_clear_errors(target):
+    config = DecodeConfig(max_new_tokens=4)
+    with pytest.raises(SelfdraftError, match="the batch is empty"):
+        batched_decode(BatchSession(target), [], NoDrafter(), config)
+    with pytest.raises(SelfdraftError, match="prompt 1 of the batch is empty"):
+        batched_decode(BatchSession(target), [[1, 2], []], NoDrafter(), config)
+    with pytest.raises(SelfdraftError, match="prompt 0 of the batch has 14 tokens but the model's context holds 10"):
+        batched_decode(BatchSession(target), PROMPTS[:2], NoDrafter(), config, max_context=10)
+    with pytest.raises(SelfdraftError, match="3 seeds for 2 prompts"):
+        batched_decode(BatchSession(target), PROMPTS[:2], NoDrafter(), config, seeds=[1, 2, 3])
+
+
+def test_generate_batch_on_a_real_tokenizer_follows_the_drafters_schedule(tiny_target, tmp_path, caplog):
+    """``generate_batch`` (the Python API): one result per prompt, each equal to ``generate``'s; a drafter
+    folder's speculation profile gives the drafts per live batch size, one for another target is refused,
+    one from another machine is used with a warning; a batch beyond memory is refused before allocating."""
+    import json
+    import logging
+
+    from selfdraft.heads.target import load_target
+    from selfdraft.inference.api import generate, generate_batch
+    from selfdraft.inference.speculation import PROFILE_FILE
+
+    target = load_target(str(tiny_target))
+    prompts = ["def add(a, b):", "The capital of France is", "1, 2, 3, 4,"]
+    results = generate_batch(target, prompts, drafter="prompt-lookup", max_new_tokens=12, speculation="off")
+    for prompt, result in zip(prompts, results):
+        alone = generate(target, prompt, drafter="prompt-lookup", max_new_tokens=12, adaptive="off")
+        assert (result.token_ids, result.text, result.target_forwards) == (alone.token_ids, alone.text, alone.target_forwards)
+    # A drafter folder's profile (what generate_batch reads for speculation="auto"): 2 drafts at batch 1,
+    # none from batch 2 on; batched_decode's use of such a budget is the node-budget test above.
+    from selfdraft.inference.speculation import read_profile, schedule_budget
+
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    machine = {"cpu": "elsewhere", "gpu": None, "cpus": 1, "threads": 1}
+    profile = {"schedule": [{"batch": 1, "tokens": 2}, {"batch": 2, "tokens": 0}],
+               "cost_surface": {"target": target.identity.name, "machine": machine}}
+    (folder / PROFILE_FILE).write_text(json.dumps(profile))
+    with caplog.at_level(logging.WARNING):
+        budget = schedule_budget(read_profile(folder), target)
+    assert "measured on another machine" in caplog.text
+    assert [budget(b) for b in (1, 2, 3, 16)] == [2, 0, 0, 0]
+    (folder / PROFILE_FILE).write_text(json.dumps({**profile, "cost_surface": {"target": "another", "machine": machine}}))
+    with pytest.raises(SelfdraftError, match="measured with target 'another'"):
+        schedule_budget(read_profile(folder), target)
+    (folder / PROFILE_FILE).write_text("{not json")
+    with pytest.raises(SelfdraftError, match="not a speculation profile selfdraft can read"):
+        read_profile(folder)
+    with pytest.raises(SelfdraftError, match="prompts is one string"):
+        generate_batch(target, "one prompt")
+    with pytest.raises(SelfdraftError, match="the largest batch that fits is"):
+        generate_batch(target, input_ids=[[1, 2, 3]] * 4, max_new_tokens=2**26)
