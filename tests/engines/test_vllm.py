@@ -67,10 +67,9 @@ def broken(config: dict, kind: str) -> dict:
 def engines(trained_smollm2, target_path, prompts, tmp_path_factory):
     """name -> (folder, vLLM's result) of every engine the tests compare: ``plain`` (no drafter),
     ``vllm-KIND`` (``--format vllm``, num_speculative_tokens DEPTH), ``speculators-KIND`` (the folder
-    alone, its speculative tokens set to DEPTH; the first two prompts) and ``broken-KIND``. All run one
-    after another in one process (vLLM imported once). If vLLM's kernels cannot run on this processor
-    at all, the module is skipped with the reason; any other failure is a failure of the tests that use
-    that engine."""
+    alone, its speculative tokens set to DEPTH) and ``broken-KIND``. All run one after another in one
+    process (vLLM imported once). If vLLM's kernels cannot run on this processor at all, the module is
+    skipped with the reason; any other failure is a failure of the tests that use that engine."""
     from selfdraft.errors import SelfdraftError
     from selfdraft.inference.vllm_engine import run_vllm_engines, speculative_config, vllm_request
     from selfdraft.train.export import export
@@ -87,9 +86,7 @@ def engines(trained_smollm2, target_path, prompts, tmp_path_factory):
         config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = DEPTH
         (folder / "config.json").write_text(json.dumps(config))
         folders[f"speculators-{kind}"] = folder
-        # No speculative config: the folder says it all. Its drafter is the vllm-KIND engine's, so the first two
-        # prompts show that vLLM loads it the same (each engine costs seconds per prompt on a CPU).
-        requests[f"speculators-{kind}"] = vllm_request(folder, prompts[:2], NEW_TOKENS)
+        requests[f"speculators-{kind}"] = vllm_request(folder, prompts, NEW_TOKENS)  # no speculative config: the folder says it all
     for kind in BROKEN_KINDS:
         folder, _ = export(trained_smollm2[kind], "vllm", root / f"broken-{kind}")
         (folder / "config.json").write_text(json.dumps(broken(json.loads((folder / "config.json").read_text()), kind)))
@@ -221,7 +218,6 @@ def test_vllm_serves_a_speculators_folder_by_itself(kind, engines, our_counts, p
     folder, _ = engines[f"speculators-{kind}"]
     assert json.loads((folder / "config.json").read_text())["speculators_model_type"] == kind
     rows = compare(engine(engines, f"speculators-{kind}"), our_counts(kind), [r["token_ids"] for r in plain["results"]])
-    assert len(rows) == 2
     report = json.dumps(rows, indent=1)
     assert all(row["identical_to_plain"] for row in rows), f"vLLM's speculative output differs from its plain output:\n{report}"
     comparable = [row for row in rows if row["same_tokens_as_ours"]]
