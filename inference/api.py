@@ -192,11 +192,12 @@ def generate_batch(
 
     Options as :func:`generate`; ``seeds``: one per prompt, or one int for every row. ``speculation="auto"``
     (the default) follows the drafter folder's ``speculation_profile.json`` (``selfdraft costs --drafter``):
-    per live batch size the drafts it found to pay, none where drafting does not pay; ``"off"`` (or a folder
-    without a profile) drafts the drafter's own tree at every batch size. The adaptive throttle and the
-    confidence schedule of :func:`generate` act at batch 1.
+    per live batch size the drafts it found to pay, none where drafting does not pay; for any other drafter
+    the batch drafts while drafting pays at the live batch size by this machine's measured costs
+    (:class:`~selfdraft.inference.batch.BatchThrottle`). ``"off"`` drafts the drafter's own tree at every
+    step. The confidence schedule of :func:`generate` acts at batch 1.
     """
-    from selfdraft.inference.batch import BatchSession, batched_decode
+    from selfdraft.inference.batch import BatchSession, batch_throttle_for, batched_decode
     from selfdraft.inference.cost_surface import check_batch_fits
     from selfdraft.inference.speculation import read_profile, schedule_budget
 
@@ -221,6 +222,8 @@ def generate_batch(
         profile = read_profile(drafter) if os.path.isdir(drafter) else None
         budget = schedule_budget(profile, target) if profile is not None else None
     drafter = make_drafter(drafter, target, tree=tree, prompt_lookup=prompt_lookup)
+    if speculation == "auto" and budget is None and ids:
+        budget = batch_throttle_for(target, drafter, len(ids))
     session = BatchSession(target.model, hidden_layers=drafter.hidden_layers)
     outs = batched_decode(session, ids, drafter, config, seeds=per_row, eos_token_ids=target.eos_token_ids,
                           max_context=target.max_context, nodes_for_batch=budget)

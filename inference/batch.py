@@ -174,7 +174,83 @@ class _Row:
 
 
 NodeBudget = Callable[[int], "int | None"]
-"""Live batch size -> the most draft nodes per row this step (0: a plain step; None: the drafter's tree)."""
+"""Live batch size -> the most draft nodes per row this step (0: a plain step; None: the drafter's tree).
+One with a ``record(rows, width, emitted)`` method also hears what each drafted step bought."""
+
+
+class BatchThrottle:
+    """When a batch drafts, for a drafter without a speculation profile: the batch's counterpart of the
+    per-request throttle of inference/adaptive.py, with the costs of the live batch size.
+
+    A drafted step of B rows costs the target's forward over every row's root and the widest tree, T(B,
+    w + 1) on this machine's measured :class:`~selfdraft.inference.cost_surface.CostSurface`, plus B
+    proposals (drafting runs row by row), and emits E tokens per row; a plain step costs T(B, 1) and emits
+    one per row. The batch drafts while E * T(B, 1) >= (1 - slack) * (T(B, w + 1) + B * D), with E and w
+    running means over the drafted steps (exponentially weighted, about the last 20) and B the rows live
+    now, so one decision can turn as rows leave. It drafts until ``min_drafted`` row-steps have drafted (a
+    step of B rows is B of them: a large batch learns in fewer steps); once drafting stops paying it decodes plain steps and probes after ``first_wait`` of them, twice as long after each
+    probe that does not pay, up to ``longest_wait``. Decisions read costs measured once and what the target
+    accepted, never a clock: seeded sampled runs stay reproducible, and every row stays exact.
+    """
+
+    def __init__(self, surface, draft_seconds: float, *, memory: float = 0.95, slack: float = 0.03,
+                 min_drafted: int = 8, first_wait: int = 4, longest_wait: int = 64):
+        self.surface, self.draft_seconds = surface, float(draft_seconds)
+        self.memory, self.slack, self.min_drafted = memory, slack, min_drafted
+        self.first_wait, self.longest_wait = first_wait, longest_wait
+        self.tokens = 0.0  # running mean of the tokens a row emits per drafted step
+        self.width = 0.0  # running mean of the widest tree's draft nodes per drafted step
+        self.drafted = 0  # drafted steps
+        self.samples = 0  # drafted row-steps
+        self.wait = 0
+        self.interval = first_wait
+
+    def pays(self, rows: int) -> bool:
+        cost = self.surface(rows, self.width + 1) + rows * self.draft_seconds
+        return self.tokens * self.surface(rows, 1) >= (1.0 - self.slack) * cost
+
+    def learning(self) -> bool:
+        return self.samples < self.min_drafted
+
+    def __call__(self, rows: int) -> int | None:
+        if self.learning() or self.pays(rows):
+            return None
+        if self.wait > 0:
+            self.wait -= 1
+            return 0
+        self.wait = self.interval  # a probe; record() shortens the wait again if it paid
+        return None
+
+    def record(self, rows: int, width: int, emitted: Sequence[int]) -> None:
+        """A drafted step of ``rows`` rows verified trees of at most ``width`` nodes; row i emitted
+        ``emitted[i]`` tokens (accepted drafts + 1)."""
+        paid_before = self.learning() or self.pays(rows)
+        self.drafted += 1
+        self.samples += len(emitted)
+        w = max(1.0 - self.memory, 1.0 / self.drafted)
+        self.tokens += w * (sum(emitted) / len(emitted) - self.tokens)
+        self.width += w * (width - self.width)
+        if self.learning() or self.pays(rows):
+            self.interval, self.wait = self.first_wait, 0
+        elif paid_before:  # it just stopped paying: plain steps, then a first probe
+            self.interval = self.wait = self.first_wait
+        else:  # a probe that did not pay: wait twice as long before the next
+            self.interval = min(2 * self.interval, self.longest_wait)
+            self.wait = self.interval
+
+
+def batch_throttle_for(target, drafter: Drafter, rows: int) -> BatchThrottle | None:
+    """The :class:`BatchThrottle` of ``drafter`` with ``target`` for a batch of up to ``rows`` rows: this
+    machine's cost surface (measured once per grid and cached) and the drafter's measured proposal time;
+    None for a drafter that never drafts."""
+    from selfdraft.inference.cost_surface import cost_surface
+    from selfdraft.inference.schedule import draft_cost
+
+    if drafter.max_nodes <= 0:
+        return None
+    batches = tuple(sorted({1, 4, 16} | ({rows} if rows > 16 else set())))
+    tokens = tuple(sorted({1, 2, 4, 8, 16, 32} | ({drafter.max_nodes + 1} if drafter.max_nodes >= 32 else set())))
+    return BatchThrottle(cost_surface(target, batches, tokens), draft_cost(target, drafter))
 
 
 def batched_decode(
@@ -256,6 +332,7 @@ def batched_decode(
             buffers.append(tree_buffers(tree))
 
         outs = session.verify([row.sequence[-1] for row in live], trees, buffers)
+        drafted = budget != 0
         keeps, news = [], []
         for row, tree, b, out in zip(live, trees, buffers, outs):
             row.stats.target_forwards += 1
@@ -285,6 +362,8 @@ def batched_decode(
                 row.stats.depth_accepted[d] += d <= len(accepted)
             news.append(new)
         session.commit(keeps)
+        if drafted and hasattr(nodes_for_batch, "record"):
+            nodes_for_batch.record(len(live), max(t.num_nodes for t in trees), [len(k) for k in keeps])
 
         for row, keep, new, out in zip(live, keeps, news, outs):
             if row.stop_reason == "eos":

@@ -195,6 +195,25 @@ def law():
 
 
 @pytest.fixture(scope="session")
+def tiny_llama():
+    """``tiny_llama(seed, layers=4, hidden=64)``: a seeded random Llama of vocabulary 97 (no EOS token, a
+    wide init so that its conditionals differ by context), in eval mode."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def make(seed: int, layers: int = 4, hidden: int = 64):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=97, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+        model = LlamaForCausalLM(cfg).eval()
+        model.generation_config.eos_token_id = None
+        return model
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def random_kind_drafters():
     """``random_kind_drafters(target)``: kind -> a randomly initialised EAGLE-3, Medusa, DFlash and DSpark
     drafter of a tiny Llama ``target`` (at least 4 layers, a vocabulary of more than 60), seeded."""

@@ -15,7 +15,6 @@ import itertools
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from selfdraft.configs.decode import DRAFT_MODEL_TREE, DecodeConfig, PromptLookupConfig
 from selfdraft.errors import SelfdraftError
@@ -26,7 +25,7 @@ from selfdraft.inference.schedule import VerifyCost
 from selfdraft.inference.session import CausalLMSession
 from selfdraft.inference.tree import DraftTree
 
-VOCAB = 97
+VOCAB = 97  # the vocabulary of the tiny_llama fixture
 
 
 def linear_cost(base: float = 1.0, per_token: float = 0.05, sizes: int = 64) -> VerifyCost:
@@ -116,16 +115,6 @@ def test_a_later_request_starts_from_what_earlier_ones_learnt():
 
 # --- exactness on a tiny random Llama -----------------------------------------------------------------
 
-def tiny_llama(seed: int, layers: int = 4, hidden: int = 64) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
 class HalfRight(Drafter):
     """Drafts the target's greedy continuation in stretches of the answer: right for 32 tokens, wrong
     for the next 96."""
@@ -145,11 +134,11 @@ class HalfRight(Drafter):
 
 
 @pytest.fixture(scope="module")
-def target():
+def target(tiny_llama):
     return tiny_llama(0)
 
 
-def test_every_drafter_stays_exact_under_the_throttle(target, random_kind_drafters):
+def test_every_drafter_stays_exact_under_the_throttle(target, tiny_llama, random_kind_drafters):
     """Greedy output equals generate() with the throttle on, for every drafter; drafters that accept
     little are switched off and probed (drafted + plain steps = verification steps)."""
     draft = tiny_llama(1, layers=1, hidden=32)
@@ -180,7 +169,7 @@ def test_every_drafter_stays_exact_under_the_throttle(target, random_kind_drafte
             assert s.drafted_steps > 10 and s.skipped_steps > 5, (s.drafted_steps, s.skipped_steps)
 
 
-def test_copy_and_hybrid_drafters_are_exact_with_every_drafter_kind(random_kind_drafters):
+def test_copy_and_hybrid_drafters_are_exact_with_every_drafter_kind(tiny_llama, random_kind_drafters):
     """Greedy output equals generate() for the hybrid of copying with a draft model and with every trained
     kind (random weights), and for copying alone, under the throttle and without it."""
     from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter

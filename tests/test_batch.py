@@ -13,7 +13,6 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from selfdraft.configs.decode import DRAFT_MODEL_TREE, DecodeConfig, PromptLookupConfig
 from selfdraft.errors import SelfdraftError
@@ -23,27 +22,16 @@ from selfdraft.inference.drafters import DraftModelDrafter, NoDrafter, PromptLoo
 from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter
 from selfdraft.inference.session import CausalLMSession
 
-VOCAB = 97
 PROMPTS = [[5, 17, 3, 88, 41, 5, 17, 3, 60, 2, 9, 5, 17, 3], [7], [40, 41, 42, 40, 41], [11, 12, 13, 14, 15, 16, 17, 11, 12]]
 
 
-def tiny_llama(seed: int, layers: int = 4, hidden: int = 64) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
 @pytest.fixture(scope="module")
-def target():
+def target(tiny_llama):
     return tiny_llama(0)
 
 
 @pytest.fixture(scope="module")
-def drafters(target, random_kind_drafters):
+def drafters(target, tiny_llama, random_kind_drafters):
     draft = tiny_llama(1, layers=1, hidden=32)
     kinds = random_kind_drafters(target)
     return {
@@ -198,3 +186,32 @@ def test_generate_batch_on_a_real_tokenizer_follows_the_drafters_schedule(tiny_t
         generate_batch(target, "one prompt")
     with pytest.raises(SelfdraftError, match="the largest batch that fits is"):
         generate_batch(target, input_ids=[[1, 2, 3]] * 4, max_new_tokens=2**26)
+
+
+def test_the_batch_throttle_drafts_only_where_drafting_pays_at_the_live_batch_size(target, drafters):
+    """BatchThrottle on a made-up cost surface: a draft token costs 1% of a step at batch 1 and a whole step
+    at batch 4. The self-drafting target (it accepts nearly everything) drafts every step alone and stops
+    in a batch of 4; a random EAGLE-3 (it accepts next to nothing) stops even alone, then only probes,
+    ever more rarely. Every row stays greedy-exact."""
+    from selfdraft.inference.batch import BatchThrottle
+    from selfdraft.inference.cost_surface import CostSurface
+
+    surface = CostSurface(batch_sizes=(1, 4), tokens=(1, 2, 16), seconds=((1.0, 1.01, 1.15), (2.0, 4.0, 32.0)),
+                          target="tiny", dtype="float32", device="cpu", context=256, machine={})
+    n = 48
+    config = DecodeConfig(max_new_tokens=n)
+    for name, rows, drafts_every_step in (("self-draft", 1, True), ("self-draft", 4, False), ("eagle3", 1, False)):
+        drafter = drafters[name]
+        throttle = BatchThrottle(surface, draft_seconds=0.0)
+        outs = batched_decode(BatchSession(target, hidden_layers=drafter.hidden_layers), PROMPTS[:rows], drafter,
+                              config, nodes_for_batch=throttle)
+        for prompt, out in zip(PROMPTS, outs):
+            assert out.token_ids == reference(target, prompt, n), (name, rows)
+            s = out.stats
+            assert s.drafted_steps + s.skipped_steps == s.target_forwards - 1
+            if drafts_every_step:
+                assert s.skipped_steps == 0, (name, rows, s.drafted_steps)
+            else:  # drafted its first steps (fewer in a batch: each step teaches it B rows), then plain steps
+                first = -(-throttle.min_drafted // rows)  # with a few probes between them
+                assert s.skipped_steps > 3 * (s.drafted_steps - first), (name, rows, s.drafted_steps, s.skipped_steps)
+        assert throttle.samples >= throttle.min_drafted

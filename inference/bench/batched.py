@@ -9,7 +9,8 @@ at a time, after a short warm-up on the first group; tokens/s = all new tokens /
 
 Methods: our loop (``none``, ``prompt-lookup``, ``copy``, ``draft-model:SPEC``, ``hybrid:SPEC``, a drafter
 folder; each group through :func:`~selfdraft.inference.batch.batched_decode`, with the folder's speculation
-schedule where it has one unless ``--speculation off``), ``hf-greedy`` (``generate()`` on the group, left
+schedule where it has one, else a :class:`~selfdraft.inference.batch.BatchThrottle` per group, unless
+``--speculation off``), ``hf-greedy`` (``generate()`` on the group, left
 padded) and ``vllm:FOLDER`` / ``vllm:none`` (the group handed to the engine in one call, as a server sees
 B concurrent requests). Greedy only: every row is compared with ``none``'s output at batch 1.
 """
@@ -109,7 +110,8 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
                     progress: bool = True, command: str | None = None) -> dict:
     """Tokens/s of every method at every batch size (module docstring); writes ``out``/batches.json,
     batches.md and batches.png (atomically) and returns what batches.json holds. ``speculation="auto"``:
-    a drafter folder with a speculation profile drafts per batch size what the profile says pays."""
+    a drafter folder with a speculation profile drafts per batch size what the profile says pays, any
+    other drafter while drafting pays by the measured costs (``"off"``: the drafter's tree every step)."""
     from tqdm import tqdm
 
     from selfdraft.inference.api import encode_prompt
@@ -143,7 +145,7 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
             raise SelfdraftError(f"{c.label}: batched, the bench runs our loop's methods, hf-greedy and vllm:FOLDER; "
                                  "transformers' prompt lookup and assisted generation decode one prompt at a time")
         runners[c.label] = runner
-        budgets[c.label] = _budget(c, target) if speculation == "auto" else None
+        budgets[c.label] = _budget(c, runner, target) if speculation == "auto" else (lambda rows: None)
     rows, reference = [], None
     bar = tqdm(total=len(runners) * len(sizes), desc="batched bench", disable=not progress)
     for size in sizes:
@@ -153,7 +155,7 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
                 tokens, tau, seconds = _vllm_groups(runner, prompts, size, max_new_tokens)
             else:
                 decode = (lambda g, n: _hf_group(runner, g, n)) if isinstance(runner, HFRunner) else \
-                    (lambda g, n: _loop_group(runner, g, n, budgets[label]))
+                    (lambda g, n: _loop_group(runner, g, n, budgets[label](len(g))))
                 tokens, steps, drafted, seconds = _timed_groups(decode, prompts, size, max_new_tokens)
                 tau = sum(map(len, tokens)) / steps if steps else None
             if label == BASELINE and size == 1:
@@ -182,16 +184,21 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
     return results
 
 
-def _budget(choice, target):
-    """The node budget per live batch size from a drafter folder's speculation profile; None for methods
-    without a folder or a profile."""
+def _budget(choice, runner, target):
+    """rows -> the node budget of one batch of our loop: a drafter folder's speculation schedule where it
+    has a profile, else a fresh :class:`~selfdraft.inference.batch.BatchThrottle` per batch (None for
+    methods that are not our loop)."""
+    from selfdraft.inference.batch import batch_throttle_for
     from selfdraft.inference.speculation import read_profile, schedule_budget
 
+    if not isinstance(runner, LoopRunner):
+        return lambda rows: None
     folder = choice.argument
-    if folder is None or not os.path.isdir(folder):
-        return None
-    profile = read_profile(folder)
-    return schedule_budget(profile, target) if profile is not None else None
+    profile = read_profile(folder) if folder is not None and os.path.isdir(folder) else None
+    if profile is not None:
+        schedule = schedule_budget(profile, target)
+        return lambda rows: schedule
+    return lambda rows: batch_throttle_for(target, runner.drafter, rows)
 
 
 def batch_table(results: dict) -> str:
