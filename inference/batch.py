@@ -162,8 +162,7 @@ class BatchSession:
 class _Row:
     """One prompt's decoding state inside a batch."""
 
-    def __init__(self, index: int, prompt: list[int], generator: torch.Generator | None):
-        self.index = index
+    def __init__(self, prompt: list[int], generator: torch.Generator | None):
         self.sequence = list(prompt)
         self.emitted: list[int] = []
         self.stats = DecodeStats()
@@ -188,9 +187,10 @@ class BatchThrottle:
     one per row. The batch drafts while E * T(B, 1) >= (1 - slack) * (T(B, w + 1) + B * D), with E and w
     running means over the drafted steps (exponentially weighted, about the last 20) and B the rows live
     now, so one decision can turn as rows leave. It drafts until ``min_drafted`` row-steps have drafted (a
-    step of B rows is B of them: a large batch learns in fewer steps); once drafting stops paying it decodes plain steps and probes after ``first_wait`` of them, twice as long after each
-    probe that does not pay, up to ``longest_wait``. Decisions read costs measured once and what the target
-    accepted, never a clock: seeded sampled runs stay reproducible, and every row stays exact.
+    step of B rows is B of them: a large batch learns in fewer steps); once drafting stops paying it
+    decodes plain steps and probes after ``first_wait`` of them, twice as long after each probe that does
+    not pay, up to ``longest_wait``. Decisions read costs measured once and what the target accepted,
+    never a clock: seeded sampled runs stay reproducible, and every row stays exact.
     """
 
     def __init__(self, surface, draft_seconds: float, *, memory: float = 0.95, slack: float = 0.03,
@@ -296,7 +296,7 @@ def batched_decode(
         if not config.greedy:
             generator = torch.Generator(device=out.logits.device)
             generator.seed() if seeds[i] is None else generator.manual_seed(seeds[i])
-        row = _Row(i, prompt, generator)
+        row = _Row(prompt, generator)
         row.stats.target_forwards = 1
         first = choose_token(out.logits[-1].float(), config, generator)
         row.emitted.append(first)
