@@ -162,7 +162,8 @@ class BatchSession:
 class _Row:
     """One prompt's decoding state inside a batch."""
 
-    def __init__(self, prompt: list[int], generator: torch.Generator | None):
+    def __init__(self, index: int, prompt: list[int], generator: torch.Generator | None):
+        self.index = index  # its place in the batch as given
         self.sequence = list(prompt)
         self.emitted: list[int] = []
         self.stats = DecodeStats()
@@ -174,7 +175,9 @@ class _Row:
 
 NodeBudget = Callable[[int], "int | None"]
 """Live batch size -> the most draft nodes per row this step (0: a plain step; None: the drafter's tree).
-One with a ``record(rows, width, emitted)`` method also hears what each drafted step bought."""
+One with a ``live(ids, remaining)`` method hears, before each step, which rows (by their index in the
+batch) step and how many tokens each may still emit; one with ``record(rows, width, emitted, ids)`` hears
+what each drafted step bought."""
 
 
 class BatchThrottle:
@@ -183,13 +186,17 @@ class BatchThrottle:
 
     A drafted step of B rows costs the target's forward over every row's root and the widest tree, T(B,
     w + 1) on this machine's measured :class:`~selfdraft.inference.cost_surface.CostSurface`, plus B
-    proposals (drafting runs row by row), and emits E tokens per row; a plain step costs T(B, 1) and emits
-    one per row. The batch drafts while E * T(B, 1) >= (1 - slack) * (T(B, w + 1) + B * D), with E and w
-    running means over the drafted steps (exponentially weighted, about the last 20) and B the rows live
-    now, so one decision can turn as rows leave. It drafts until ``min_drafted`` row-steps have drafted (a
+    proposals (drafting runs row by row); a plain step costs T(B, 1). A batch whose rows do not refill
+    lasts as long as its slowest row: with R_i tokens left to row i and E_i its running mean of tokens per
+    drafted step, drafting takes about max_i R_i / E_i steps where plain decoding takes max_i R_i. The batch
+    drafts while (max_i R_i / E_i) (T(B, w + 1) + B * D) (1 - slack) <= (max_i R_i) T(B, 1), with the E_i and
+    w running means over the drafted steps (exponentially weighted, about the last 20; a row without its
+    own yet takes the batch's mean) and B the rows live now, so one decision can turn as rows leave (one
+    row that accepts nothing keeps a batch from paying for drafts its other rows would win on). It drafts until ``min_drafted`` row-steps have drafted (a
     step of B rows is B of them: a large batch learns in fewer steps); once drafting stops paying it
     decodes plain steps and probes after ``first_wait`` of them, twice as long after each probe that does
-    not pay, up to ``longest_wait``. Decisions read costs measured once and what the target accepted,
+    not pay, up to ``longest_wait``; learning steps and probes verify only the draft nodes that cost at most
+    15% more than a plain step (:meth:`cheap`). Decisions read costs measured once and what the target accepted,
     never a clock: seeded sampled runs stay reproducible, and every row stays exact.
     """
 
@@ -204,32 +211,60 @@ class BatchThrottle:
         self.samples = 0  # drafted row-steps
         self.wait = 0
         self.interval = first_wait
+        self.row_tokens: dict[int, float] = {}  # per row index: running mean of its tokens per drafted step
+        self.row_drafted: dict[int, int] = {}
+        self.rows_left: list[tuple[int, int]] = []  # (row index, tokens it may still emit) of the rows stepping
+        self._cheap: dict[int, int] = {}
+
+    def live(self, ids: Sequence[int], remaining: Sequence[int]) -> None:
+        self.rows_left = list(zip(ids, remaining))
 
     def pays(self, rows: int) -> bool:
         cost = self.surface(rows, self.width + 1) + rows * self.draft_seconds
-        return self.tokens * self.surface(rows, 1) >= (1.0 - self.slack) * cost
+        if not self.rows_left:  # nothing known of the rows: the mean
+            return self.tokens * self.surface(rows, 1) >= (1.0 - self.slack) * cost
+        plain = max(left for _, left in self.rows_left)
+        drafted = max(left / max(self.row_tokens.get(i, self.tokens), 1.0) for i, left in self.rows_left)
+        return drafted * cost * (1.0 - self.slack) <= plain * self.surface(rows, 1)
 
     def learning(self) -> bool:
         return self.samples < self.min_drafted
 
+    def cheap(self, rows: int) -> int:
+        """The draft nodes per row that cost at most 15% more than a plain step at this batch size (at least
+        one): what a learning step or a probe verifies, so finding out costs little where verifying is dear."""
+        if rows not in self._cheap:
+            n = 1
+            while n < 64 and self.surface(rows, n + 2) <= 1.15 * self.surface(rows, 1):
+                n += 1
+            self._cheap[rows] = n
+        return self._cheap[rows]
+
     def __call__(self, rows: int) -> int | None:
-        if self.learning() or self.pays(rows):
+        if self.learning():
+            return self.cheap(rows)
+        if self.pays(rows):
             return None
         if self.wait > 0:
             self.wait -= 1
             return 0
         self.wait = self.interval  # a probe; record() shortens the wait again if it paid
-        return None
+        return self.cheap(rows)
 
-    def record(self, rows: int, width: int, emitted: Sequence[int]) -> None:
-        """A drafted step of ``rows`` rows verified trees of at most ``width`` nodes; row i emitted
-        ``emitted[i]`` tokens (accepted drafts + 1)."""
+    def record(self, rows: int, width: int, emitted: Sequence[int], ids: Sequence[int] = ()) -> None:
+        """A drafted step of ``rows`` rows verified trees of at most ``width`` nodes; the i-th row (index
+        ``ids[i]`` in the batch) emitted ``emitted[i]`` tokens (accepted drafts + 1)."""
         paid_before = self.learning() or self.pays(rows)
         self.drafted += 1
         self.samples += len(emitted)
         w = max(1.0 - self.memory, 1.0 / self.drafted)
         self.tokens += w * (sum(emitted) / len(emitted) - self.tokens)
         self.width += w * (width - self.width)
+        for i, e in zip(ids, emitted):
+            n = self.row_drafted[i] = self.row_drafted.get(i, 0) + 1
+            mean = self.row_tokens.get(i, e)
+            self.row_tokens[i] = mean + max(1.0 - self.memory, 1.0 / n) * (e - mean)
+        self.rows_left = [(i, left - e) for (i, left), e in zip(self.rows_left, emitted)] if self.rows_left else []
         if self.learning() or self.pays(rows):
             self.interval, self.wait = self.first_wait, 0
         elif paid_before:  # it just stopped paying: plain steps, then a first probe
@@ -296,7 +331,7 @@ def batched_decode(
         if not config.greedy:
             generator = torch.Generator(device=out.logits.device)
             generator.seed() if seeds[i] is None else generator.manual_seed(seeds[i])
-        row = _Row(prompt, generator)
+        row = _Row(i, prompt, generator)
         row.stats.target_forwards = 1
         first = choose_token(out.logits[-1].float(), config, generator)
         row.emitted.append(first)
@@ -311,6 +346,8 @@ def batched_decode(
     live = _finish(session, rows, config, max_context, start)
 
     while live:
+        if hasattr(nodes_for_batch, "live"):
+            nodes_for_batch.live([row.index for row in live], [config.max_new_tokens - len(row.emitted) for row in live])
         budget = nodes_for_batch(len(live)) if nodes_for_batch is not None else None
         trees, buffers = [], []
         for i, row in enumerate(live):
@@ -363,7 +400,8 @@ def batched_decode(
             news.append(new)
         session.commit(keeps)
         if drafted and hasattr(nodes_for_batch, "record"):
-            nodes_for_batch.record(len(live), max(t.num_nodes for t in trees), [len(k) for k in keeps])
+            nodes_for_batch.record(len(live), max(t.num_nodes for t in trees), [len(k) for k in keeps],
+                                   [row.index for row in live])
 
         for row, keep, new, out in zip(live, keeps, news, outs):
             if row.stop_reason == "eos":

@@ -18,9 +18,10 @@ from selfdraft.configs.decode import DRAFT_MODEL_TREE, DecodeConfig, PromptLooku
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.batch import BatchSession, batched_decode
 from selfdraft.inference.decode import speculative_decode
-from selfdraft.inference.drafters import DraftModelDrafter, NoDrafter, PromptLookupDrafter
+from selfdraft.inference.drafters import DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter
 from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter
 from selfdraft.inference.session import CausalLMSession
+from selfdraft.inference.tree import DraftTree
 
 PROMPTS = [[5, 17, 3, 88, 41, 5, 17, 3, 60, 2, 9, 5, 17, 3], [7], [40, 41, 42, 40, 41], [11, 12, 13, 14, 15, 16, 17, 11, 12]]
 
@@ -215,3 +216,45 @@ def test_the_batch_throttle_drafts_only_where_drafting_pays_at_the_live_batch_si
                 first = -(-throttle.min_drafted // rows)  # with a few probes between them
                 assert s.skipped_steps > 3 * (s.drafted_steps - first), (name, rows, s.drafted_steps, s.skipped_steps)
         assert throttle.samples >= throttle.min_drafted
+
+
+class RightForSome(Drafter):
+    """Drafts the target's own next four tokens for the prompts in ``right``, wrong tokens for the others."""
+
+    name = "right-for-some"
+    max_nodes = 4
+
+    def __init__(self, truths: dict[tuple, list[int]], right: set[tuple]):
+        self.truths, self.right = truths, right
+
+    def propose(self, state, sequence):
+        prompt = next(p for p in self.truths if tuple(sequence[: len(p)]) == p)
+        truth, t = list(prompt) + self.truths[prompt], len(sequence)
+        tokens = [truth[t + d] if t + d < len(truth) else 0 for d in range(4)]
+        return DraftTree.chain(tokens if prompt in self.right else [(x + 1) % 97 for x in tokens]), state
+
+
+def test_one_row_that_accepts_nothing_keeps_a_fixed_batch_from_drafting(target):
+    """A fixed batch lasts as long as its slowest row: on a surface where verifying more tokens per row is
+    dear, a batch of a row that accepts everything and one that accepts nothing stops drafting (the mean
+    tokens per row would pay; the slow row's 1 does not), while the good row alone drafts every step. Rows
+    stay exact."""
+    from selfdraft.inference.batch import BatchThrottle
+    from selfdraft.inference.cost_surface import CostSurface
+
+    surface = CostSurface(batch_sizes=(1, 4), tokens=(1, 5), seconds=((1.0, 1.5), (2.0, 3.0)), target="tiny",
+                          dtype="float32", device="cpu", context=256, machine={})
+    n = 48
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    refs = {tuple(p): reference(target, p, n + 8) for p in prompts}
+    drafter = RightForSome(refs, {tuple(prompts[0])})
+    config = DecodeConfig(max_new_tokens=n)
+    alone = batched_decode(BatchSession(target), prompts[:1], drafter, config, nodes_for_batch=BatchThrottle(surface, 0.0))
+    assert alone[0].stats.skipped_steps == 0 and alone[0].token_ids == refs[tuple(prompts[0])][:n]
+    throttle = BatchThrottle(surface, 0.0)
+    outs = batched_decode(BatchSession(target), prompts, drafter, config, nodes_for_batch=throttle)
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == refs[tuple(p)][:n]
+    assert throttle.row_tokens[0] >= 1.9 and throttle.row_tokens[1] == 1.0  # it learnt on one cheap node a row
+    slow = outs[1].stats
+    assert slow.skipped_steps > 2 * (slow.drafted_steps - throttle.min_drafted // 2), (slow.drafted_steps, slow.skipped_steps)
