@@ -78,14 +78,20 @@ class Throttle:
         """The draft nodes a probe verifies: those that cost at most 15% more than a plain step on the cost
         curve (at least one), so probing a drafter that does not pay costs little where verifying more
         tokens costs more."""
-        n = 1
-        while n < 64 and self.cost(n + 2) <= 1.15 * self.cost(1):
-            n += 1
-        return n
+        return cheap_nodes(self.cost)
 
     def step_cost(self, nodes: int) -> float:
         """Modelled seconds of a drafted step that verified ``nodes`` draft nodes."""
         return self.cost(nodes + 1) + self.draft_seconds
+
+
+def cheap_nodes(cost, most: int = 64) -> int:
+    """The draft nodes (at least one, at most ``most``) whose verification costs at most 15% more than a plain
+    step on ``cost`` (tokens per forward -> seconds): what a probe verifies."""
+    n = 1
+    while n < most and cost(n + 2) <= 1.15 * cost(1):
+        n += 1
+    return n
 
 
 @dataclass

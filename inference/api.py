@@ -14,7 +14,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -197,9 +196,8 @@ def generate_batch(
     (:class:`~selfdraft.inference.batch.BatchThrottle`). ``"off"`` drafts the drafter's own tree at every
     step. The confidence schedule of :func:`generate` acts at batch 1.
     """
-    from selfdraft.inference.batch import BatchSession, batch_throttle_for, batched_decode
+    from selfdraft.inference.batch import BatchSession, batch_budgets, batched_decode
     from selfdraft.inference.cost_surface import check_batch_fits
-    from selfdraft.inference.speculation import read_profile, schedule_budget
 
     if speculation not in ("auto", "off"):
         raise SelfdraftError(f"speculation must be auto or off, got {speculation!r}")
@@ -217,13 +215,9 @@ def generate_batch(
                           seed=per_row[0] if per_row else None, stop_on_eos=stop_on_eos, acceptance=acceptance)
     if ids:
         check_batch_fits(target.model, len(ids), max(map(len, ids)) + max_new_tokens)
-    budget = None
-    if speculation == "auto" and isinstance(drafter, str):
-        profile = read_profile(drafter) if os.path.isdir(drafter) else None
-        budget = schedule_budget(profile, target) if profile is not None else None
+    folder = drafter if isinstance(drafter, str) else None
     drafter = make_drafter(drafter, target, tree=tree, prompt_lookup=prompt_lookup)
-    if speculation == "auto" and budget is None and ids:
-        budget = batch_throttle_for(target, drafter, len(ids))
+    budget = batch_budgets(target, drafter, folder)(len(ids)) if speculation == "auto" and ids else None
     session = BatchSession(target.model, hidden_layers=drafter.hidden_layers)
     outs = batched_decode(session, ids, drafter, config, seeds=per_row, eos_token_ids=target.eos_token_ids,
                           max_context=target.max_context, nodes_for_batch=budget)

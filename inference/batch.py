@@ -28,6 +28,7 @@ the target's distribution. The drafter keeps one state per row (``Drafter.start`
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Sequence
 
@@ -36,11 +37,14 @@ from transformers import DynamicCache
 
 from selfdraft.configs.decode import DecodeConfig
 from selfdraft.errors import SelfdraftError
-from selfdraft.inference.decode import DecodeOutput, DecodeStats, SampleRule, tree_buffers
-from selfdraft.inference.drafters import Drafter, Verified
+from selfdraft.inference.adaptive import Throttle, cheap_nodes
+from selfdraft.inference.decode import (
+    DecodeOutput, DecodeStats, SampleRule, accept, committed_tokens, sampling_generator, tree_buffers, verified,
+)
+from selfdraft.inference.drafters import Drafter
 from selfdraft.inference.session import StepOutput
 from selfdraft.inference.tree import DraftTree, TreeBuffers
-from selfdraft.inference.verify import choose_token, greedy_verify, sample_verify, target_probs, typical_verify
+from selfdraft.inference.verify import choose_token, sample_verify
 
 
 class BatchSession:
@@ -192,16 +196,18 @@ class BatchThrottle:
     drafts while (max_i R_i / E_i) (T(B, w + 1) + B * D) (1 - slack) <= (max_i R_i) T(B, 1), with the E_i and
     w running means over the drafted steps (exponentially weighted, about the last 20; a row without its
     own yet takes the batch's mean) and B the rows live now, so one decision can turn as rows leave (one
-    row that accepts nothing keeps a batch from paying for drafts its other rows would win on). It drafts until ``min_drafted`` row-steps have drafted (a
-    step of B rows is B of them: a large batch learns in fewer steps); once drafting stops paying it
-    decodes plain steps and probes after ``first_wait`` of them, twice as long after each probe that does
-    not pay, up to ``longest_wait``; learning steps and probes verify only the draft nodes that cost at most
-    15% more than a plain step (:meth:`cheap`). Decisions read costs measured once and what the target accepted,
-    never a clock: seeded sampled runs stay reproducible, and every row stays exact.
+    row that accepts nothing keeps a batch from paying for drafts its other rows would win on). It drafts
+    until ``min_drafted`` row-steps have drafted (a step of B rows is B of them: a large batch learns in
+    fewer steps); once drafting stops paying it decodes plain steps and probes after ``first_wait`` of
+    them, twice as long after each probe that does not pay, up to ``longest_wait``; learning steps and
+    probes verify only the draft nodes that cost at most 15% more than a plain step (:meth:`cheap`). The
+    defaults are the per-request throttle's. Decisions read costs measured once and what the target
+    accepted, never a clock: seeded sampled runs stay reproducible, and every row stays exact.
     """
 
-    def __init__(self, surface, draft_seconds: float, *, memory: float = 0.95, slack: float = 0.03,
-                 min_drafted: int = 8, first_wait: int = 4, longest_wait: int = 64):
+    def __init__(self, surface, draft_seconds: float, *, memory: float = Throttle.memory, slack: float = Throttle.slack,
+                 min_drafted: int = Throttle.min_drafted, first_wait: int = Throttle.first_wait,
+                 longest_wait: int = Throttle.longest_wait):
         self.surface, self.draft_seconds = surface, float(draft_seconds)
         self.memory, self.slack, self.min_drafted = memory, slack, min_drafted
         self.first_wait, self.longest_wait = first_wait, longest_wait
@@ -234,10 +240,7 @@ class BatchThrottle:
         """The draft nodes per row that cost at most 15% more than a plain step at this batch size (at least
         one): what a learning step or a probe verifies, so finding out costs little where verifying is dear."""
         if rows not in self._cheap:
-            n = 1
-            while n < 64 and self.surface(rows, n + 2) <= 1.15 * self.surface(rows, 1):
-                n += 1
-            self._cheap[rows] = n
+            self._cheap[rows] = cheap_nodes(lambda m: self.surface(rows, m))
         return self._cheap[rows]
 
     def __call__(self, rows: int) -> int | None:
@@ -288,6 +291,19 @@ def batch_throttle_for(target, drafter: Drafter, rows: int) -> BatchThrottle | N
     return BatchThrottle(cost_surface(target, batches, tokens), draft_cost(target, drafter))
 
 
+def batch_budgets(target, drafter: Drafter, folder: str | None) -> Callable[[int], NodeBudget | None]:
+    """rows -> the node budget of one batch of ``drafter``: the speculation schedule of ``folder``'s profile
+    where it has one (read and checked once), else a fresh :class:`BatchThrottle` per batch (None for a
+    drafter that never drafts)."""
+    from selfdraft.inference.speculation import read_profile, schedule_budget
+
+    profile = read_profile(folder) if folder is not None and os.path.isdir(folder) else None
+    if profile is not None:
+        schedule = schedule_budget(profile, target)
+        return lambda rows: schedule
+    return lambda rows: batch_throttle_for(target, drafter, rows)
+
+
 def batched_decode(
     session: BatchSession,
     prompts: Sequence[Sequence[int]],
@@ -327,10 +343,7 @@ def batched_decode(
     outs = session.prefill(prompts)
     rows = []
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
-        generator = None
-        if not config.greedy:
-            generator = torch.Generator(device=out.logits.device)
-            generator.seed() if seeds[i] is None else generator.manual_seed(seeds[i])
+        generator = sampling_generator(config, out.logits.device, seeds[i])
         row = _Row(i, prompt, generator)
         row.stats.target_forwards = 1
         first = choose_token(out.logits[-1].float(), config, generator)
@@ -373,30 +386,14 @@ def batched_decode(
         keeps, news = [], []
         for row, tree, b, out in zip(live, trees, buffers, outs):
             row.stats.target_forwards += 1
-            if config.greedy:
-                accepted, bonus = greedy_verify(out.logits, tree.token_ids, b)
-            else:
-                probs = target_probs(out.logits, config.temperature, config.top_k, config.top_p)
-                if config.lossy:
-                    accepted, bonus = typical_verify(probs, tree.token_ids, b, row.generator,
-                                                     config.typical_epsilon, config.typical_delta)
-                else:
-                    accepted, bonus = sample_rule(probs, tree.token_ids, b, row.generator)
+            accepted, bonus = accept(out.logits, tree, b, config, row.generator, sample_rule)
             keeps.append([0] + accepted)
-            new = [tree.token_ids[i - 1] for i in accepted] + [bonus]
-            for i, tok in enumerate(new):
-                if tok in eos:
-                    new = new[: i + 1]
-                    row.stop_reason = "eos"
-                    break
-            new = new[: config.max_new_tokens - len(row.emitted)]
+            new, hit_eos = committed_tokens(tree, accepted, bonus, eos, config.max_new_tokens - len(row.emitted))
+            if hit_eos:
+                row.stop_reason = "eos"
             row.emitted += new
             row.sequence += new
-            row.stats.accept_histogram[len(new)] += 1
-            row.stats.draft_nodes += tree.num_nodes
-            for d in range(1, b.max_depth + 1):
-                row.stats.depth_drafted[d] += 1
-                row.stats.depth_accepted[d] += d <= len(accepted)
+            row.stats.count_step(tree, b, accepted, new)
             news.append(new)
         session.commit(keeps)
         if drafted and hasattr(nodes_for_batch, "record"):
@@ -407,11 +404,7 @@ def batched_decode(
             if row.stop_reason == "eos":
                 continue
             t0 = time.perf_counter()
-            hidden = ()
-            if out.hidden:  # the root and the accepted positions
-                index = torch.tensor(keep, dtype=torch.long, device=out.hidden[0].device)
-                hidden = tuple(h.index_select(0, index) for h in out.hidden)
-            row.state = drafter.observe(row.state, Verified(tokens=new, hidden=hidden))
+            row.state = drafter.observe(row.state, verified(out, keep, new))
             row.stats.draft_seconds += time.perf_counter() - t0
         live = _finish(session, live, config, max_context, start)
 

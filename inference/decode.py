@@ -57,6 +57,14 @@ class DecodeStats:
     skipped_steps: int = 0
     """Plain steps the adaptive throttle chose because drafting did not pay."""
 
+    def count_step(self, tree: DraftTree, buffers, accepted: Sequence[int], new: Sequence[int]) -> None:
+        """Count one verification step: ``tree`` verified, ``accepted`` of its positions kept, ``new`` emitted."""
+        self.accept_histogram[len(new)] += 1
+        self.draft_nodes += tree.num_nodes
+        for d in range(1, buffers.max_depth + 1):
+            self.depth_drafted[d] += 1
+            self.depth_accepted[d] += d <= len(accepted)
+
     def depth_acceptance(self) -> dict[int, float]:
         """Per depth d: the share of steps that drafted depth d and accepted a token there."""
         return {d: self.depth_accepted[d] / n for d, n in sorted(self.depth_drafted.items())}
@@ -104,13 +112,7 @@ def speculative_decode(
 
     out = session.prefill(prompt_ids)
     stats.target_forwards = 1
-    generator = None
-    if not config.greedy:  # it samples on the target's device, so it lives there
-        generator = torch.Generator(device=out.logits.device)
-        if config.seed is None:
-            generator.seed()  # a fresh non-deterministic seed, without touching torch's global generator
-        else:
-            generator.manual_seed(config.seed)
+    generator = sampling_generator(config, out.logits.device, config.seed)
     first = choose_token(out.logits[-1].float(), config, generator)
     emitted = [first]
     stats.accept_histogram[1] += 1
@@ -148,43 +150,23 @@ def speculative_decode(
 
         out = session.verify(sequence[-1], tree, buffers)
         stats.target_forwards += 1
-        if config.greedy:
-            accepted, bonus = greedy_verify(out.logits, tree.token_ids, buffers)
-        else:
-            probs = target_probs(out.logits, config.temperature, config.top_k, config.top_p)
-            if config.lossy:
-                accepted, bonus = typical_verify(probs, tree.token_ids, buffers, generator,
-                                                 config.typical_epsilon, config.typical_delta)
-            else:
-                accepted, bonus = sample_rule(probs, tree.token_ids, buffers, generator)
+        accepted, bonus = accept(out.logits, tree, buffers, config, generator, sample_rule)
         keep = [0] + accepted
         session.commit(keep)
         if gate is not None and drafting:
             gate.record(tree.num_nodes, len(keep), drafter.step_seconds(state))
 
-        new = [tree.token_ids[i - 1] for i in accepted] + [bonus]
-        for i, tok in enumerate(new):
-            if tok in eos:
-                new = new[: i + 1]
-                stop_reason = "eos"
-                break
-        new = new[:remaining]
+        new, hit_eos = committed_tokens(tree, accepted, bonus, eos, remaining)
+        if hit_eos:
+            stop_reason = "eos"
         emitted += new
         sequence += new
-        stats.accept_histogram[len(new)] += 1
-        stats.draft_nodes += tree.num_nodes
-        for d in range(1, buffers.max_depth + 1):
-            stats.depth_drafted[d] += 1
-            stats.depth_accepted[d] += d <= len(accepted)
+        stats.count_step(tree, buffers, accepted, new)
 
         if stop_reason == "eos":
             break
         t0 = time.perf_counter()
-        hidden = ()
-        if out.hidden:  # the root and the accepted positions, gathered on the target's device
-            index = torch.tensor(keep, dtype=torch.long, device=out.hidden[0].device)
-            hidden = tuple(h.index_select(0, index) for h in out.hidden)
-        state = drafter.observe(state, Verified(tokens=new, hidden=hidden))
+        state = drafter.observe(state, verified(out, keep, new))
         stats.draft_seconds += time.perf_counter() - t0
 
     return DecodeOutput(token_ids=emitted, stats=stats, seconds=time.perf_counter() - start, stop_reason=stop_reason)
@@ -196,3 +178,49 @@ _EMPTY_BUFFERS = build_tree_buffers(DraftTree.empty())
 def tree_buffers(tree: DraftTree):
     """The tree's verification buffers (one shared object for the empty tree of a plain step)."""
     return _EMPTY_BUFFERS if tree.num_nodes == 0 else build_tree_buffers(tree)
+
+
+def sampling_generator(config: DecodeConfig, device, seed: int | None) -> torch.Generator | None:
+    """The random generator a sampled decode draws from, on the target's device (it samples there): seeded
+    with ``seed``, or freshly without touching torch's global generator; None when decoding greedily."""
+    if config.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def accept(logits: torch.Tensor, tree: DraftTree, buffers, config: DecodeConfig, generator: torch.Generator | None,
+           sample_rule: SampleRule = sample_verify) -> tuple[list[int], int]:
+    """One verification: (accepted tree positions, bonus token) of the target's ``logits`` (M, V) over the
+    tree, by the greedy rule, Medusa's typical acceptance (LOSSY) or ``sample_rule``."""
+    if config.greedy:
+        return greedy_verify(logits, tree.token_ids, buffers)
+    probs = target_probs(logits, config.temperature, config.top_k, config.top_p)
+    if config.lossy:
+        return typical_verify(probs, tree.token_ids, buffers, generator, config.typical_epsilon, config.typical_delta)
+    return sample_rule(probs, tree.token_ids, buffers, generator)
+
+
+def committed_tokens(tree: DraftTree, accepted: Sequence[int], bonus: int, eos: set[int],
+                     remaining: int) -> tuple[list[int], bool]:
+    """The tokens a step emits (the accepted drafts, then the bonus), cut after the first EOS token and to
+    ``remaining``; and whether an EOS token was emitted."""
+    new = [tree.token_ids[i - 1] for i in accepted] + [bonus]
+    for i, tok in enumerate(new):
+        if tok in eos:
+            return new[: i + 1][:remaining], True
+    return new[:remaining], False
+
+
+def verified(out, keep: Sequence[int], new: list[int]) -> Verified:
+    """What the drafter observes after a step: the emitted tokens and the target's hidden states at the root
+    and the accepted positions ``keep``, gathered on the target's device."""
+    hidden = ()
+    if out.hidden:
+        index = torch.tensor(list(keep), dtype=torch.long, device=out.hidden[0].device)
+        hidden = tuple(h.index_select(0, index) for h in out.hidden)
+    return Verified(tokens=new, hidden=hidden)

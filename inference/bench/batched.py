@@ -95,8 +95,8 @@ def _vllm_groups(runner: VllmRunner, prompts, size: int, max_new_tokens: int):
     from selfdraft.inference.vllm_engine import run_vllm
 
     out = run_vllm(runner.target_path, prompts, max_new_tokens, speculative=runner.speculative, dtype=runner.dtype,
-                   max_model_len=runner.target.max_context if runner.target.max_context < 2**20 else 4096,
-                   warmup=[prompts[0]], in_process=runner.in_process, concurrency=size)
+                   max_model_len=runner.max_model_len, warmup=[prompts[0]], in_process=runner.in_process,
+                   concurrency=size)
     runner.version = f"vllm {out['vllm_version']}"
     parts = out["results"] if size == 1 else out["batches"]
     tokens = [r["token_ids"] for r in parts] if size == 1 else [t for b in parts for t in b["token_ids"]]
@@ -115,6 +115,7 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
     from tqdm import tqdm
 
     from selfdraft.inference.api import encode_prompt
+    from selfdraft.inference.batch import batch_budgets
     from selfdraft.inference.cost_surface import check_batch_fits
     from selfdraft.machine import describe
 
@@ -145,7 +146,8 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
             raise SelfdraftError(f"{c.label}: batched, the bench runs our loop's methods, hf-greedy and vllm:FOLDER; "
                                  "transformers' prompt lookup and assisted generation decode one prompt at a time")
         runners[c.label] = runner
-        budgets[c.label] = _budget(c, runner, target) if speculation == "auto" else (lambda rows: None)
+        budgets[c.label] = batch_budgets(target, runner.drafter, c.argument) \
+            if speculation == "auto" and isinstance(runner, LoopRunner) else (lambda rows: None)
     rows, reference = [], None
     bar = tqdm(total=len(runners) * len(sizes), desc="batched bench", disable=not progress)
     for size in sizes:
@@ -182,23 +184,6 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
     if plots:
         _plot(results, out / PLOT)
     return results
-
-
-def _budget(choice, runner, target):
-    """rows -> the node budget of one batch of our loop: a drafter folder's speculation schedule where it
-    has a profile, else a fresh :class:`~selfdraft.inference.batch.BatchThrottle` per batch (None for
-    methods that are not our loop)."""
-    from selfdraft.inference.batch import batch_throttle_for
-    from selfdraft.inference.speculation import read_profile, schedule_budget
-
-    if not isinstance(runner, LoopRunner):
-        return lambda rows: None
-    folder = choice.argument
-    profile = read_profile(folder) if folder is not None and os.path.isdir(folder) else None
-    if profile is not None:
-        schedule = schedule_budget(profile, target)
-        return lambda rows: schedule
-    return lambda rows: batch_throttle_for(target, runner.drafter, rows)
 
 
 def batch_table(results: dict) -> str:

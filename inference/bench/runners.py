@@ -166,6 +166,11 @@ class VllmRunner:
         self.results: dict[tuple, Generation] = {}
         self.version: str | None = None
 
+    @property
+    def max_model_len(self) -> int:
+        """The context vLLM is started with: the target's, or 4096 where it declares none worth the name."""
+        return self.target.max_context if self.target.max_context < 2**20 else 4096
+
     def prepare(self, calls: list[tuple[list[int], float, "int | None", int]]) -> None:
         """Decode every (ids, temperature, seed, max_new_tokens) the benchmark will ask for, in one engine."""
         from selfdraft.inference.vllm_engine import run_vllm
@@ -175,7 +180,7 @@ class VllmRunner:
             batch = [c for c in todo if c[3] == n]
             out = run_vllm(self.target_path, [list(c[0]) for c in batch], n, speculative=self.speculative,
                            temperatures=[c[1] for c in batch], seeds=[c[2] for c in batch], dtype=self.dtype,
-                           max_model_len=self.target.max_context if self.target.max_context < 2**20 else 4096,
+                           max_model_len=self.max_model_len,
                            warmup=[list(batch[0][0])], in_process=self.in_process)
             self.version = f"vllm {out['vllm_version']}"
             for call, r in zip(batch, out["results"]):
