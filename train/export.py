@@ -24,7 +24,7 @@ from selfdraft import __version__
 from selfdraft.configs.schema import to_dict
 from selfdraft.errors import SelfdraftError
 from selfdraft.files import as_if_created, write_atomic
-from selfdraft.heads.cards import PROFILE_FILE, profile_section
+from selfdraft.heads.cards import PROFILE_FILE, SGLANG_ADAPTIVE_FILE, profile_section, sglang_schedule
 from selfdraft.heads.io import DrafterRecord, is_drafter_folder, load_drafter, read_record, save_drafter
 from selfdraft.heads.kinds import ExportContext, export_formats, get_kind
 from selfdraft.train import checkpoint as ckpt
@@ -172,6 +172,8 @@ def export(source: str | os.PathLike, fmt: str, out: str | os.PathLike, target: 
         data = json.loads(profile.read_text())
         card = folder / "README.md"
         write_atomic(folder / PROFILE_FILE, json.dumps(data, indent=1))
-        write_atomic(card, (card.read_text() if card.is_file() else "") + profile_section(data, writer.format))
+        if writer.format == "sglang":
+            write_atomic(folder / SGLANG_ADAPTIVE_FILE, json.dumps(sglang_schedule(data)["speculative_adaptive_config"], indent=1))
+        write_atomic(card, (card.read_text() if card.is_file() else "") + profile_section(data, writer.format, str(folder)))
         message += f"; with its speculation schedule ({PROFILE_FILE})"
     return folder, message
