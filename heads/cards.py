@@ -100,13 +100,16 @@ SGLANG_ADAPTIVE_FILE = "speculative_adaptive.json"
 """In an SGLang export with a speculation profile: the schedule as ``--speculative-adaptive-config``."""
 
 
+def sglang_settings(entries) -> dict[str, Any]:
+    """SGLang's settings for a schedule (entries or their dicts): the longest chain as
+    ``speculative_num_steps`` and :func:`sglang_adaptive_config`."""
+    longest = max((int(e["tokens"]) if isinstance(e, dict) else e.tokens for e in entries), default=0)
+    return {"speculative_num_steps": longest, "speculative_adaptive_config": sglang_adaptive_config(entries)}
+
+
 def sglang_schedule(profile: dict[str, Any]) -> dict[str, Any]:
-    """A profile's SGLang settings (``speculative_num_steps``, ``speculative_adaptive_config``); profiles
-    written before they carried them get them from their schedule."""
-    if "sglang" in profile:
-        return profile["sglang"]
-    return {"speculative_num_steps": max((int(e["tokens"]) for e in profile["schedule"]), default=0),
-            "speculative_adaptive_config": sglang_adaptive_config(profile["schedule"])}
+    """A profile's SGLang settings; profiles written before they carried them get them from their schedule."""
+    return profile["sglang"] if "sglang" in profile else sglang_settings(profile["schedule"])
 
 
 def profile_section(profile: dict[str, Any], engine: str, folder: str = "FOLDER") -> str:

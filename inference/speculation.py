@@ -28,7 +28,7 @@ from typing import Callable
 
 from selfdraft.errors import SelfdraftError
 from selfdraft.files import write_atomic
-from selfdraft.heads.cards import PROFILE_FILE, sglang_adaptive_config
+from selfdraft.heads.cards import PROFILE_FILE, sglang_settings
 from selfdraft.inference.cost_surface import CostSurface
 
 logger = logging.getLogger(__name__)
@@ -120,8 +120,7 @@ def profile_dict(acceptance, surface: CostSurface, draft_seconds, entries: list[
         "drafting_off_above_batch": off_above(entries),
         "vllm": {"num_speculative_tokens": max((e.tokens for e in entries), default=0),
                  "num_speculative_tokens_per_batch_size": [list(r) for r in vllm_ranges(entries)]},
-        "sglang": {"speculative_num_steps": max((e.tokens for e in entries), default=0),
-                   "speculative_adaptive_config": sglang_adaptive_config(entries)},
+        "sglang": sglang_settings(entries),
         "machine": surface.machine,
     }
 

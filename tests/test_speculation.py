@@ -12,12 +12,12 @@ import torch
 from selfdraft.cli import main
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.cost_surface import CostSurface
+from selfdraft.heads.cards import sglang_adaptive_config
 from selfdraft.inference.speculation import (
     ScheduleEntry,
     expected_tokens,
     off_above,
     plan_schedule,
-    sglang_adaptive_config,
     vllm_ranges,
 )
 
