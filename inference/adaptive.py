@@ -103,14 +103,18 @@ class Learnt:
     tokens: float = 0.0
     seconds: float = 0.0
     drafted: int = 0
+    interval: int = 0
+    """The wait between probes the last hopeless probe set (reset by a step that paid or came close)."""
 
 
 class ThrottleState:
     """One request's running estimate of what drafting buys, and its decisions.
 
     The first request of a throttle drafts its first ``min_drafted`` steps. A later one starts from what
-    the earlier ones learnt: drafting while that pays, else plain steps and a first probe after
-    ``2 * first_wait`` of them (a new prompt may suit the drafter better than the last ones did)."""
+    the earlier ones learnt: drafting while that pays, else plain steps and a first probe after half the
+    wait the last hopeless probe set (at least ``2 * first_wait``: a new prompt may suit the drafter
+    better than the last ones did), so a drafter that never accepts costs about one probe per
+    ``longest_wait`` steps across requests, not a fresh series of short waits in each."""
 
     def __init__(self, throttle: Throttle):
         self.throttle = throttle
@@ -126,7 +130,7 @@ class ThrottleState:
         if learnt.drafted >= throttle.min_drafted:
             self.tokens, self.seconds, self.drafted = learnt.tokens, learnt.seconds, throttle.min_drafted
             if not self.pays():
-                self.wait = self.interval = min(2 * throttle.first_wait, throttle.longest_wait)
+                self.wait = self.interval = min(max(2 * throttle.first_wait, learnt.interval // 2), throttle.longest_wait)
 
     def pays(self) -> bool:
         """Do drafted steps emit tokens faster than plain ones, by the running means?"""
@@ -166,14 +170,14 @@ class ThrottleState:
         learnt.tokens += w * (emitted - learnt.tokens)
         learnt.seconds += w * (seconds - learnt.seconds)
         if self.drafted < t.min_drafted or self.pays():
-            self.interval = t.first_wait
+            self.interval = learnt.interval = t.first_wait
         elif paid_before:  # it just stopped paying: plain steps, then a first probe
             self.interval = self.wait = t.first_wait
         elif self.hopeless():  # a probe of a drafter far from paying: wait twice as long before the next
-            self.interval = min(2 * self.interval, t.longest_wait)
+            self.interval = learnt.interval = min(2 * self.interval, t.longest_wait)
             self.wait = self.interval
         else:  # close to paying: probe again soon
-            self.interval = self.wait = t.first_wait
+            self.interval = self.wait = learnt.interval = t.first_wait
 
     def hopeless(self) -> bool:
         """Do drafted steps bring less than half the extra tokens they would need to pay?"""

@@ -23,7 +23,9 @@ the float rounding of a larger matrix product.
 Exactness is per row, as at batch 1: greedy rows take the argmax path; sampled rows each have their
 own random generator (seeded per row) and go through the same verification rule, so each row keeps
 the target's distribution. The drafter keeps one state per row (``Drafter.start`` / ``propose`` /
-``observe`` with explicit state, so one drafter object serves every row); drafting runs row by row.
+``observe`` with explicit state, so one drafter object serves every row); a step's proposals are one
+``Drafter.propose_batch`` call, one drafter forward for every row where the drafter is ``batched`` (the
+block drafters), row by row otherwise.
 """
 
 from __future__ import annotations
@@ -189,11 +191,12 @@ class BatchThrottle:
     per-request throttle of inference/adaptive.py, with the costs of the live batch size.
 
     A drafted step of B rows costs the target's forward over every row's root and the widest tree, T(B,
-    w + 1) on this machine's measured :class:`~selfdraft.inference.cost_surface.CostSurface`, plus B
-    proposals (drafting runs row by row); a plain step costs T(B, 1). A batch whose rows do not refill
+    w + 1) on this machine's measured :class:`~selfdraft.inference.cost_surface.CostSurface`, plus the
+    step's proposals D(B) (``draft_seconds``: B times one proposal for a drafter that drafts row by row,
+    measured batches for a batched one); a plain step costs T(B, 1). A batch whose rows do not refill
     lasts as long as its slowest row: with R_i tokens left to row i and E_i its running mean of tokens per
     drafted step, drafting takes about max_i R_i / E_i steps where plain decoding takes max_i R_i. The batch
-    drafts while (max_i R_i / E_i) (T(B, w + 1) + B * D) (1 - slack) <= (max_i R_i) T(B, 1), with the E_i and
+    drafts while (max_i R_i / E_i) (T(B, w + 1) + D(B)) (1 - slack) <= (max_i R_i) T(B, 1), with the E_i and
     w running means over the drafted steps (exponentially weighted, about the last 20; a row without its
     own yet takes the batch's mean) and B the rows live now, so one decision can turn as rows leave (one
     row that accepts nothing keeps a batch from paying for drafts its other rows would win on). It drafts
@@ -205,10 +208,12 @@ class BatchThrottle:
     accepted, never a clock: seeded sampled runs stay reproducible, and every row stays exact.
     """
 
-    def __init__(self, surface, draft_seconds: float, *, memory: float = Throttle.memory, slack: float = Throttle.slack,
-                 min_drafted: int = Throttle.min_drafted, first_wait: int = Throttle.first_wait,
-                 longest_wait: int = Throttle.longest_wait):
-        self.surface, self.draft_seconds = surface, float(draft_seconds)
+    def __init__(self, surface, draft_seconds: float | Callable[[int], float], *, memory: float = Throttle.memory,
+                 slack: float = Throttle.slack, min_drafted: int = Throttle.min_drafted,
+                 first_wait: int = Throttle.first_wait, longest_wait: int = Throttle.longest_wait):
+        self.surface = surface
+        # rows -> seconds of one step's proposals: a number is one proposal's, made row by row
+        self.draft_seconds = draft_seconds if callable(draft_seconds) else (lambda rows, d=float(draft_seconds): rows * d)
         self.memory, self.slack, self.min_drafted = memory, slack, min_drafted
         self.first_wait, self.longest_wait = first_wait, longest_wait
         self.tokens = 0.0  # running mean of the tokens a row emits per drafted step
@@ -226,7 +231,7 @@ class BatchThrottle:
         self.rows_left = list(zip(ids, remaining))
 
     def pays(self, rows: int) -> bool:
-        cost = self.surface(rows, self.width + 1) + rows * self.draft_seconds
+        cost = self.surface(rows, self.width + 1) + self.draft_seconds(rows)
         if not self.rows_left:  # nothing known of the rows: the mean
             return self.tokens * self.surface(rows, 1) >= (1.0 - self.slack) * cost
         plain = max(left for _, left in self.rows_left)
@@ -279,7 +284,8 @@ class BatchThrottle:
 
 def batch_throttle_for(target, drafter: Drafter, rows: int) -> BatchThrottle | None:
     """The :class:`BatchThrottle` of ``drafter`` with ``target`` for a batch of up to ``rows`` rows: this
-    machine's cost surface (measured once per grid and cached) and the drafter's measured proposal time;
+    machine's cost surface (measured once per grid and cached) and the drafter's measured proposal time
+    (a batched drafter's measured at batch 1 and the grid's largest batch, linear between and beyond);
     None for a drafter that never drafts."""
     from selfdraft.inference.cost_surface import cost_surface
     from selfdraft.inference.schedule import draft_cost
@@ -288,7 +294,12 @@ def batch_throttle_for(target, drafter: Drafter, rows: int) -> BatchThrottle | N
         return None
     batches = tuple(sorted({1, 4, 16} | ({rows} if rows > 16 else set())))
     tokens = tuple(sorted({1, 2, 4, 8, 16, 32} | ({drafter.max_nodes + 1} if drafter.max_nodes >= 32 else set())))
-    return BatchThrottle(cost_surface(target, batches, tokens), draft_cost(target, drafter))
+    one = draft_cost(target, drafter)
+    if not drafter.batched:
+        return BatchThrottle(cost_surface(target, batches, tokens), one)
+    most = batches[-1]
+    per_row = max(draft_cost(target, drafter, rows=most) - one, 0.0) / (most - 1)
+    return BatchThrottle(cost_surface(target, batches, tokens), lambda b: one + (b - 1) * per_row)
 
 
 def batch_budgets(target, drafter: Drafter, folder: str | None) -> Callable[[int], NodeBudget | None]:
@@ -362,17 +373,22 @@ def batched_decode(
         if hasattr(nodes_for_batch, "live"):
             nodes_for_batch.live([row.index for row in live], [config.max_new_tokens - len(row.emitted) for row in live])
         budget = nodes_for_batch(len(live)) if nodes_for_batch is not None else None
-        trees, buffers = [], []
-        for i, row in enumerate(live):
-            remaining = config.max_new_tokens - len(row.emitted)
-            if budget == 0:  # drafting does not pay at this batch size: a plain step
-                tree = DraftTree.empty()
+        if budget == 0:  # drafting does not pay at this batch size: a plain step
+            proposed = [DraftTree.empty()] * len(live)
+            for row in live:
                 row.stats.skipped_steps += 1
-            else:
-                t0 = time.perf_counter()
-                tree, row.state = drafter.propose(row.state, row.sequence)
-                row.stats.draft_seconds += time.perf_counter() - t0
+        else:  # one call for the batch: a batched drafter drafts every row in one forward
+            t0 = time.perf_counter()
+            proposals = drafter.propose_batch([row.state for row in live], [row.sequence for row in live])
+            share = (time.perf_counter() - t0) / len(live)
+            proposed = []
+            for row, (tree, row.state) in zip(live, proposals):
+                row.stats.draft_seconds += share
                 row.stats.drafted_steps += 1
+                proposed.append(tree)
+        trees, buffers = [], []
+        for i, (row, tree) in enumerate(zip(live, proposed)):
+            remaining = config.max_new_tokens - len(row.emitted)
             row.stats.proposed_nodes += tree.num_nodes
             max_depth = remaining - 1
             if max_context is not None:

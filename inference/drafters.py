@@ -72,6 +72,9 @@ class Drafter(ABC):
     valued_nodes: int = 0
     """The most nodes of a tree whose nodes carry values (``DraftTree.values``), which confidence-
     scheduled verification cuts by; 0: its trees carry none."""
+    batched: bool = False
+    """Whether :meth:`propose_batch` drafts every row in one forward (so a batch of B rows costs less
+    than B proposals) rather than row by row."""
 
     def start(self, prompt_ids: Sequence[int], prefill: StepOutput) -> Any:
         """Begin a sequence: the target has just run its prefill on ``prompt_ids``. Returns the state."""
@@ -80,6 +83,10 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, state: Any, sequence: Sequence[int]) -> tuple[DraftTree, Any]:
         """Draft below ``sequence[-1]`` (the root). ``sequence`` is the prompt and every committed token."""
+
+    def propose_batch(self, states: Sequence[Any], sequences: Sequence[Sequence[int]]) -> list[tuple[DraftTree, Any]]:
+        """:meth:`propose` for each row of a batch (row by row unless the drafter is :attr:`batched`)."""
+        return [self.propose(state, sequence) for state, sequence in zip(states, sequences)]
 
     def observe(self, state: Any, verified: Verified) -> Any:
         """Update the state after a verification step committed ``verified.tokens``."""

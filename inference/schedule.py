@@ -164,9 +164,10 @@ def verify_cost(target, max_tokens: int, cache_dir: str | os.PathLike | None = N
     return cost
 
 
-def measure_draft_cost(target, drafter, *, context: int = COST_CONTEXT, reps: int = 5) -> float:
+def measure_draft_cost(target, drafter, *, context: int = COST_CONTEXT, reps: int = 5, rows: int = 1) -> float:
     """Seconds of one ``drafter.propose`` after ``context`` random tokens, the drafter caught up on them
-    (median of ``reps`` after two warm-ups)."""
+    (median of ``reps`` after two warm-ups); with ``rows`` > 1, of one ``drafter.propose_batch`` of that
+    many such rows."""
     from selfdraft.inference.session import CausalLMSession
 
     text = target.model.config.get_text_config()
@@ -179,7 +180,10 @@ def measure_draft_cost(target, drafter, *, context: int = COST_CONTEXT, reps: in
     samples = []
     for _ in range(reps + 2):
         start = time.perf_counter()
-        drafter.propose(state, sequence)
+        if rows == 1:
+            drafter.propose(state, sequence)
+        else:
+            drafter.propose_batch([state] * rows, [sequence] * rows)
         samples.append(time.perf_counter() - start)
     return statistics.median(samples[2:])
 
@@ -206,22 +210,24 @@ def _drafter_shape(drafter) -> dict:
             "parameters": hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]}
 
 
-def draft_cost(target, drafter, cache_dir: str | os.PathLike | None = None) -> float:
-    """:func:`measure_draft_cost` of ``drafter`` with ``target`` on this machine, measured once per drafter
-    shape (class, tree, module shapes) and cached beside the verify cost, so that the decisions it feeds
-    (the schedule's cut, the adaptive throttle) are the same from run to run and a seeded sampled run
-    is reproducible."""
+def draft_cost(target, drafter, cache_dir: str | os.PathLike | None = None, rows: int = 1) -> float:
+    """:func:`measure_draft_cost` of ``drafter`` with ``target`` on this machine (one proposal, or one
+    ``propose_batch`` of ``rows`` rows), measured once per drafter shape (class, tree, module shapes) and
+    cached beside the verify cost, so that the decisions it feeds (the schedule's cut, the adaptive
+    throttle) are the same from run to run and a seeded sampled run is reproducible."""
     verify_path = cost_cache_path(target, 1, cache_dir)
-    key = json.dumps({"verify": verify_path.name, "drafter": _drafter_shape(drafter)}, sort_keys=True)
+    shape = _drafter_shape(drafter)
+    key = json.dumps({"verify": verify_path.name, "drafter": shape, **({"rows": rows} if rows != 1 else {})},
+                     sort_keys=True)
     path = verify_path.with_name(f"draft-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
     if path.exists():
         try:
             return float(json.loads(path.read_text())["seconds"])
         except (ValueError, TypeError, KeyError):
             pass  # damaged: measured again and replaced
-    seconds = measure_draft_cost(target, drafter)
+    seconds = measure_draft_cost(target, drafter, rows=rows)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps({"seconds": seconds, "drafter": _drafter_shape(drafter)}, indent=1))
+    write_atomic(path, json.dumps({"seconds": seconds, "rows": rows, "drafter": shape}, indent=1))
     return seconds
 
 

@@ -134,6 +134,32 @@ def test_sampled_rows_equal_their_batch_one_runs_under_the_same_seed(target, dra
             assert out.token_ids == alone.token_ids, (name, i)
 
 
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_a_block_drafter_drafts_a_whole_batch_in_one_forward(target, drafters, kind):
+    """The block drafters' ``propose_batch``: one drafter forward for rows whose contexts differ in length
+    (1 to 14 positions, the padding masked) drafts each row's own block: the tokens its proposal alone
+    drafts, with the same values."""
+    drafter = drafters[kind]
+    assert drafter.batched and not drafters["eagle3"].batched
+    states, sequences = [], []
+    for p in PROMPTS:
+        session = CausalLMSession(target, hidden_layers=drafter.hidden_layers)
+        states.append(drafter.start(p, session.prefill(p)))
+        sequences.append(p + [p[0]])
+    alone = [drafter.propose(state, sequence) for state, sequence in zip(states, sequences)]
+    calls = []
+    hook = drafter.drafter.register_forward_hook(lambda module, args, out: calls.append(out.shape[0]))
+    try:
+        batch = drafter.propose_batch(states, sequences)
+    finally:
+        hook.remove()
+    assert calls == [len(PROMPTS)]
+    for (one, _), (row, state) in zip(alone, batch):
+        assert row.token_ids == one.token_ids and row.num_nodes == drafter.drafts
+        assert row.values == pytest.approx(one.values, abs=1e-5)
+        assert state.length == len(state.context[0][0])  # each row's state keeps its own context
+
+
 def test_bad_batches_are_clear_errors(target):
     config = DecodeConfig(max_new_tokens=4)
     with pytest.raises(SelfdraftError, match="the batch is empty"):
@@ -216,6 +242,26 @@ def test_the_batch_throttle_drafts_only_where_drafting_pays_at_the_live_batch_si
                 first = -(-throttle.min_drafted // rows)  # with a few probes between them
                 assert s.skipped_steps > 3 * (s.drafted_steps - first), (name, rows, s.drafted_steps, s.skipped_steps)
         assert throttle.samples >= throttle.min_drafted
+
+
+def test_the_batch_throttle_charges_a_batched_drafter_its_batch_cost():
+    """A drafter that drafts row by row costs B proposals per step; a batched one (the block drafters) what
+    its batch costs. Same made-up surface and acceptance (4 tokens per row per drafted step, a step of 4
+    rows costing 2 s plain and 2.2 s over the widest tree): a proposal of 3 s makes row-by-row drafting a
+    loss at B = 4 (2.2 + 4 x 3 s for 4x the tokens of a 2 s step) and a batch proposal of 3 s a gain."""
+    from selfdraft.inference.batch import BatchThrottle
+    from selfdraft.inference.cost_surface import CostSurface
+
+    surface = CostSurface(batch_sizes=(1, 4), tokens=(1, 16), seconds=((1.0, 1.1), (2.0, 2.2)), target="tiny",
+                          dtype="float32", device="cpu", context=256, machine={})
+    row_by_row, batched = BatchThrottle(surface, 3.0), BatchThrottle(surface, lambda rows: 3.0)
+    for throttle in (row_by_row, batched):
+        for _ in range(8):
+            throttle.record(4, 15, [4, 4, 4, 4])
+        assert not throttle.learning()
+    assert row_by_row.draft_seconds(4) == 12.0 and not row_by_row.pays(4)
+    assert batched.draft_seconds(4) == 3.0 and batched.pays(4)
+    assert row_by_row(4) == 0 and batched(4) is None  # a plain step; the drafter's whole tree
 
 
 class RightForSome(Drafter):

@@ -161,12 +161,14 @@ def test_block_drafts_that_the_target_would_make_are_all_accepted(kind, tiny_tar
                                   mask_token_id=text.vocab_size - 1, target_layers=(2, 4, 6), **extra)
     drafter = BlockDrafter(BlockHead(dims), target.model, TreeConfig(depth=8, top_k=1, max_nodes=8))
 
-    def oracle(out, anchor):  # the block's drafts as the target itself continues the sequence
+    def oracle(out, anchors):  # the block's drafts as the target itself continues the sequence
+        assert out.shape[0] == len(anchors) == 1  # one row: generate() decodes one sequence
         sequence = oracle.sequence
+        assert int(anchors[0]) == sequence[-1]
         more = target.model.generate(torch.tensor([sequence]), attention_mask=torch.ones(1, len(sequence), dtype=torch.long),
-                                     do_sample=False, max_new_tokens=len(out), pad_token_id=0)
-        drafts = more[0, len(sequence):]
-        return drafts, torch.ones(len(drafts))  # certain of each: a schedule would verify them all
+                                     do_sample=False, max_new_tokens=out.shape[1], pad_token_id=0)
+        drafts = more[:, len(sequence):]
+        return drafts, torch.ones(drafts.shape)  # certain of each: a schedule would verify them all
 
     propose = drafter.propose
 

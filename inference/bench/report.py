@@ -83,6 +83,7 @@ def render_report(results: dict, plots: bool = True) -> str:
         f"Target `{m['target']}`, {m['dtype']}, {m['device']}, {m['threads']} threads; torch {m['torch']}, "
         f"transformers {m['transformers']}; {machine['cpu'] or machine['machine']}"
         + (f" ({', '.join(machine['cpu_flags'])})" if machine.get("cpu_flags") else "")
+        + (" capped by " + " ".join(f"{k}={v}" for k, v in machine["isa_caps"].items()) if machine.get("isa_caps") else "")
         + (f", {machine['gpu']}" if machine["gpu"] else "")
         + (f" (driver {machine['gpu_details']['driver']}, CUDA {machine['gpu_details']['cuda']})"
            if machine.get("gpu_details") else "") + f" ({machine['platform']}); {m['date']}.", "",

@@ -18,7 +18,7 @@ import torch
 
 from selfdraft.configs.decode import DecodeConfig
 from selfdraft.errors import SelfdraftError
-from selfdraft.machine import cpu_flags, cpu_name
+from selfdraft.machine import cpu_flags, cpu_name, isa_caps
 from selfdraft.inference.bench.common import BASELINE
 from selfdraft.inference.bench.journal import JOURNAL, Journal, _ids_digest, _settings
 from selfdraft.inference.bench.methods import MethodChoice, parse_method, split_methods
@@ -319,7 +319,7 @@ def _meta(target, choices, tasks, temps, max_new_tokens, limit, seed, command) -
         "selfdraft": __version__,
         "python": platform.python_version(),
         "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpu": cpu_name(),
-                    "cpu_flags": cpu_flags(), "cpus": os.cpu_count(),
+                    "cpu_flags": cpu_flags(), "isa_caps": isa_caps(), "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "gpu_details": _gpu(dev)},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command if command is not None else shlex.join(sys.argv),

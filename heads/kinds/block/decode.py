@@ -14,6 +14,9 @@ path to it, the product along the block of DSpark's confidence head (or, without
 drafter's probability of each token it drafted), by which confidence-scheduled verification
 (inference/schedule.py) verifies only the prefix of the block that pays.
 
+Batches: :meth:`BlockDrafter.propose_batch` drafts every row of a batch in one forward (contexts padded
+to the longest, the padding masked), so a batch of B rows costs far less than B proposals.
+
 Devices: the drafter is a copy on the target's device and dtype; the block's tokens and values reach
 the host in one copy per proposal.
 """
@@ -45,6 +48,8 @@ class BlockState:
 class BlockDrafter(Drafter):
     """A DFlash or DSpark module behind the :class:`Drafter` interface, proposing ``depth`` tokens of
     its block (at most the block's drafts) as a chain."""
+
+    batched = True
 
     def __init__(self, drafter: BlockHead, target_model, tree: TreeConfig = TreeConfig()):
         text = target_model.config.get_text_config()
@@ -84,44 +89,64 @@ class BlockDrafter(Drafter):
         context = [(torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(state.context, new)]
         return BlockState(context, state.length + m, state.pending[:0])
 
-    @torch.inference_mode()
     def propose(self, state: BlockState, sequence):
-        state = self._catch_up(state)
-        if state.length != len(sequence) - 1:
-            raise SelfdraftError(f"block drafter state out of step: context of {state.length} positions for a sequence of "
-                                 f"{len(sequence)} tokens; propose() must get the sequence this state observed")
-        anchor = int(sequence[-1])
-        ids = torch.cat([torch.tensor([anchor], dtype=torch.long, device=self.device), self.block_tail])
-        embeds = self.embed(ids)[None, None]  # (1, 1, S, H)
-        positions = (state.length + self.slots)[None, None]
-        context = [(k[None], v[None]) for k, v in state.context]
-        out = self.drafter(embeds, positions, context)[0, 0, self.first:self.first + self.drafts]  # (K, H)
-        tokens, accept = self._draft(out, anchor)
-        values = accept.float().cumprod(0)  # the chance that the path to each drafted token is accepted
-        host = torch.stack([tokens.to(values.dtype), values]).cpu()  # one copy to the host per proposal
-        return DraftTree.chain(host[0].long().tolist(), host[1].clamp(0, 1).tolist()), state
+        return self.propose_batch([state], [sequence])[0]
 
-    def _draft(self, out: torch.Tensor, anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, H) slot outputs -> ((K,) target ids, (K,) each token's estimated acceptance chance given
-        the ones before it). Each slot's argmax (DSpark: with the Markov bias of the token before it,
-        left to right). The chance: DSpark's confidence head where it has one, else the drafter's own
-        probability of the token it drafted."""
-        logits = self.drafter.head(self.lm_head)(out)[:, : self.drafter.draft_vocab_size].float()  # (K, V')
+    @torch.inference_mode()
+    def propose_batch(self, states, sequences):
+        """One drafter forward for every row's block: contexts of different lengths padded to the
+        longest, the padding invisible to the block (each row's drafts are what its own forward drafts,
+        up to the float rounding of a larger product); the blocks' tokens and values reach the host in
+        one copy."""
+        states = [self._catch_up(s) for s in states]
+        for state, sequence in zip(states, sequences):
+            if state.length != len(sequence) - 1:
+                raise SelfdraftError(f"block drafter state out of step: context of {state.length} positions for a "
+                                     f"sequence of {len(sequence)} tokens; propose() must get the sequence this "
+                                     "state observed")
+        rows = len(states)
+        lengths = torch.tensor([s.length for s in states], device=self.device)
+        longest = max(s.length for s in states)
+        anchors = torch.tensor([int(q[-1]) for q in sequences], dtype=torch.long, device=self.device)  # (R,)
+        ids = torch.cat([anchors[:, None], self.block_tail.expand(rows, -1)], dim=1)  # (R, S)
+        positions = (lengths[:, None] + self.slots)[:, None]  # (R, 1, S)
+        if rows == 1:
+            context, visible = [(k[None], v[None]) for k, v in states[0].context], None
+        else:
+            def padded(t: torch.Tensor) -> torch.Tensor:  # (n, heads, d) -> (longest, heads, d), zeros after n
+                return torch.nn.functional.pad(t, (0, 0, 0, 0, 0, longest - t.shape[0]))
+
+            context = [(torch.stack([padded(s.context[i][0]) for s in states]),
+                        torch.stack([padded(s.context[i][1]) for s in states])) for i in range(len(self.drafter.layers))]
+            visible = (torch.arange(longest, device=self.device)[None] < lengths[:, None])[:, None]  # (R, 1, N)
+        out = self.drafter(self.embed(ids)[:, None], positions, context, visible)
+        tokens, accept = self._draft(out[:, 0, self.first:self.first + self.drafts], anchors)  # (R, K) each
+        values = accept.float().cumprod(-1)  # the chance that the path to each drafted token is accepted
+        host = torch.stack([tokens.to(values.dtype), values]).cpu()  # one copy to the host per proposal
+        return [(DraftTree.chain(host[0, r].long().tolist(), host[1, r].clamp(0, 1).tolist()), state)
+                for r, state in enumerate(states)]
+
+    def _draft(self, out: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(R, K, H) slot outputs of R blocks with anchors (R,) -> ((R, K) target ids, (R, K) each token's
+        estimated acceptance chance given the ones before it). Each slot's argmax (DSpark: with the
+        Markov bias of the token before it, left to right). The chance: DSpark's confidence head where it
+        has one, else the drafter's own probability of the token it drafted."""
+        logits = self.drafter.head(self.lm_head)(out)[..., : self.drafter.draft_vocab_size].float()  # (R, K, V')
         if self.drafter.markov_head is None:
             probs, ids = logits.softmax(-1).max(-1)
             return (ids if self.draft_ids is None else self.draft_ids[ids]), probs
-        previous = torch.tensor([anchor], dtype=torch.long, device=self.device)  # (1,): stays on the device
+        previous = anchors  # (R,): stays on the device
         before, drafted, probs = [], [], []
-        for j in range(len(logits)):
+        for j in range(logits.shape[1]):
             before.append(previous)
-            p, pick = (logits[j:j + 1] + self.drafter.markov_bias(previous).float()).softmax(-1).max(-1)
+            p, pick = (logits[:, j] + self.drafter.markov_bias(previous).float()).softmax(-1).max(-1)
             previous = pick if self.draft_ids is None else self.draft_ids.index_select(0, pick)
             drafted.append(previous)
             probs.append(p)
-        ids = torch.cat(drafted)
+        ids = torch.stack(drafted, dim=1)
         if self.drafter.confidence_head is None:
-            return ids, torch.cat(probs)
-        return ids, torch.sigmoid(self.drafter.confidence(out, torch.cat(before)))
+            return ids, torch.stack(probs, dim=1)
+        return ids, torch.sigmoid(self.drafter.confidence(out, torch.stack(before, dim=1)))
 
     def observe(self, state: BlockState, verified: Verified) -> BlockState:
         with torch.inference_mode():
