@@ -294,12 +294,12 @@ def batch_throttle_for(target, drafter: Drafter, rows: int) -> BatchThrottle | N
         return None
     batches = tuple(sorted({1, 4, 16} | ({rows} if rows > 16 else set())))
     tokens = tuple(sorted({1, 2, 4, 8, 16, 32} | ({drafter.max_nodes + 1} if drafter.max_nodes >= 32 else set())))
-    one = draft_cost(target, drafter)
+    surface, one = cost_surface(target, batches, tokens), draft_cost(target, drafter)
     if not drafter.batched:
-        return BatchThrottle(cost_surface(target, batches, tokens), one)
+        return BatchThrottle(surface, one)
     most = batches[-1]
     per_row = max(draft_cost(target, drafter, rows=most) - one, 0.0) / (most - 1)
-    return BatchThrottle(cost_surface(target, batches, tokens), lambda b: one + (b - 1) * per_row)
+    return BatchThrottle(surface, lambda b: one + (b - 1) * per_row)
 
 
 def batch_budgets(target, drafter: Drafter, folder: str | None) -> Callable[[int], NodeBudget | None]:

@@ -167,7 +167,7 @@ def verify_cost(target, max_tokens: int, cache_dir: str | os.PathLike | None = N
 def measure_draft_cost(target, drafter, *, context: int = COST_CONTEXT, reps: int = 5, rows: int = 1) -> float:
     """Seconds of one ``drafter.propose`` after ``context`` random tokens, the drafter caught up on them
     (median of ``reps`` after two warm-ups); with ``rows`` > 1, of one ``drafter.propose_batch`` of that
-    many such rows."""
+    many such rows (a batch of one is one proposal)."""
     from selfdraft.inference.session import CausalLMSession
 
     text = target.model.config.get_text_config()
@@ -180,10 +180,7 @@ def measure_draft_cost(target, drafter, *, context: int = COST_CONTEXT, reps: in
     samples = []
     for _ in range(reps + 2):
         start = time.perf_counter()
-        if rows == 1:
-            drafter.propose(state, sequence)
-        else:
-            drafter.propose_batch([state] * rows, [sequence] * rows)
+        drafter.propose_batch([state] * rows, [sequence] * rows)  # one row: one propose
         samples.append(time.perf_counter() - start)
     return statistics.median(samples[2:])
 

@@ -208,7 +208,7 @@ def schedule_budget(profile: dict, target) -> Callable[[int], int]:
                              f"`selfdraft costs --target {target.identity.name} --drafter FOLDER`, or decode with "
                              "speculation='off'")
     here, there = describe(str(target.device)), surface.get("machine") or {}
-    differs = [k for k in ("cpu", "cpu_flags", "gpu", "cpus", "threads") if k in there and here.get(k) != there.get(k)]
+    differs = [k for k in ("cpu", "cpu_flags", "gpu", "cpus", "threads") if here.get(k) != there.get(k)]
     if differs:
         logger.warning(
             "the drafter's speculation profile was measured on another machine (%s differ: %s there, %s here); its "
