@@ -13,7 +13,8 @@ from selfdraft.quickstart import measured_acceptance
 
 def _overrides(tiny_target):
     return [f"target.spec={tiny_target}", "data.max_conversations=12", "data.max_length=64", "data.eval_fraction=0.2",
-            "train.micro_batch_size=2", "drafter.eagle.draft_vocab_size=512", "train.eval_batches=1"]
+            "train.micro_batch_size=2", "drafter.block.draft_vocab_size=512", "drafter.block.anchors=8",
+            "train.eval_batches=1"]
 
 
 def _args(tiny_target, out):
@@ -36,18 +37,18 @@ def test_quickstart_runs_end_to_end_and_a_second_run_reuses_its_stages(tiny_targ
     assert (out / "run" / "features" / "features.json").is_file() and "streaming the target's features" in first
     assert not (out / "calibration").exists()  # the timed steps are not kept
     assert (out / "run" / "drafter" / "config.json").is_file()
-    for fmt, key in (("vllm", "eagle_aux_hidden_state_layer_ids"), ("sglang", "eagle_config")):
-        engine = json.loads((out / f"export-{fmt}" / "config.json").read_text())
-        assert engine["architectures"] == ["LlamaForCausalLMEagle3"] and key in engine
-        card = (out / f"export-{fmt}" / "README.md").read_text()
-        assert "held-out top-1 by depth" in card and ("vllm serve" if fmt == "vllm" else "sglang.launch_server") in card
+    # The preset's drafter, DFlash, has a vLLM layout and no SGLang one: the export stage says so and skips it.
+    engine = json.loads((out / "export-vllm" / "config.json").read_text())
+    assert engine["architectures"] == ["DFlashDraftModel"] and engine["dflash_config"]["target_layer_ids"], engine
+    card = (out / "export-vllm" / "README.md").read_text()
+    assert "held-out top-1 by" in card and "vllm serve" in card
+    assert not (out / "export-sglang").exists() and "no sglang layout" in first
     results = json.loads((out / "bench" / "results.json").read_text())
     # the card holds the acceptance length the bench stage (which runs first) measured for this drafter
     measured = measured_acceptance(results, str(out / "run" / "drafter"))
     assert measured is not None and measured["acceptance_length"] >= 1.0
-    for fmt in ("vllm", "sglang"):
-        card = (out / f"export-{fmt}" / "README.md").read_text()
-        assert f"| acceptance length | {measured['acceptance_length']:.2f} (" in card
+    card = (out / "export-vllm" / "README.md").read_text()
+    assert f"| acceptance length | {measured['acceptance_length']:.2f} (" in card
     methods = {row["method"] for row in results["rows"]}
     assert {"none", "prompt-lookup", "copy", "hf-greedy", "hf-prompt-lookup", str(out / "run" / "drafter"),
             f"hybrid:{out / 'run' / 'drafter'}"} <= methods
