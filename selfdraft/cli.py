@@ -303,8 +303,8 @@ def _add_bench(sub) -> None:
         "our loop without a drafter (`none`, always run), acceptance length and token identity. Writes results.json, "
         "report.md and PNG plots to --out.",
         epilog="methods: none, prompt-lookup, copy, draft-model:SPEC, hybrid:SPEC, hf-greedy (temperature 0), hf-sample (temperature > 0), "
-        "hf-prompt-lookup (temperature 0), hf-assisted:SPEC, or a drafter folder (native Medusa / EAGLE-1 / EAGLE-3, "
-        "vLLM/SGLang EAGLE layout).\noptions: METHOD@key=value,key=value, e.g. prompt-lookup@tokens=8, "
+        "hf-prompt-lookup (temperature 0), hf-assisted:SPEC, or a drafter folder (native Medusa / EAGLE-1 / EAGLE-3 / "
+        "DFlash / DSpark, or an engine layout selfdraft reads).\noptions: METHOD@key=value,key=value, e.g. prompt-lookup@tokens=8, "
         "runs/e3/drafter@depth=5,top_k=4,max_nodes=12, runs/m/drafter@max_nodes=16, hybrid:runs/e3/drafter@max_nodes=8, "
         "hf-prompt-lookup@tokens=10, "
         "hf-assisted:SPEC@tokens=5.\ntasks: mt_bench (first turns, chat template; --limit takes the 8 categories in "

@@ -217,6 +217,7 @@ def _plan(qc: QuickstartConfig, config, overrides: list[str], out: pathlib.Path,
     import torch
 
     from selfdraft.configs.run import load_run_config
+    from selfdraft.heads.kinds import get_kind
     from selfdraft.heads.target import load_target_tokenizer, resolve_dtype
     from selfdraft.train.budget import StepCosts, free_gb, plan_budget
     from selfdraft.train.features import feature_layers
@@ -237,8 +238,10 @@ def _plan(qc: QuickstartConfig, config, overrides: list[str], out: pathlib.Path,
     layers = feature_layers(config, identity.num_layers)
     itemsize = torch.empty((), dtype=resolve_dtype(config.target.dtype, qc_device)).element_size()  # the cache keeps it
     available = config.data.max_conversations or 10**9
+    objective = get_kind(config.drafter.kind).objective_class()  # how many epochs its kind is best trained for
     plan = plan_budget(qc.budget_minutes * 60, costs, available=available,
-                       bytes_per_token=len(layers) * identity.hidden_size * itemsize, free_gb=free_gb(out))
+                       bytes_per_token=len(layers) * identity.hidden_size * itemsize, free_gb=free_gb(out),
+                       epochs=objective.budget_epochs, evidence=objective.budget_evidence)
     _say(f"train: {costs.seconds_per_step:.2f} s per step ({costs.target_seconds_per_step:.2f} s of it the target's "
          f"forward) -> {plan.steps} steps: {plan.reason}")
     return dataclasses.asdict(plan)

@@ -138,26 +138,34 @@ def test_sampled_rows_equal_their_batch_one_runs_under_the_same_seed(target, dra
 def test_a_block_drafter_drafts_a_whole_batch_in_one_forward(target, drafters, kind):
     """The block drafters' ``propose_batch``: one drafter forward for rows whose contexts differ in length
     (1 to 14 positions, the padding masked) drafts each row's own block: the tokens its proposal alone
-    drafts, with the same values."""
-    drafter = drafters[kind]
-    assert drafter.batched and not drafters["eagle3"].batched
-    states, sequences = [], []
-    for p in PROMPTS:
-        session = CausalLMSession(target, hidden_layers=drafter.hidden_layers)
-        states.append(drafter.start(p, session.prefill(p)))
-        sequences.append(p + [p[0]])
-    alone = [drafter.propose(state, sequence) for state, sequence in zip(states, sequences)]
-    calls = []
-    hook = drafter.drafter.register_forward_hook(lambda module, args, out: calls.append(out.shape[0]))
-    try:
-        batch = drafter.propose_batch(states, sequences)
-    finally:
-        hook.remove()
-    assert calls == [len(PROMPTS)]
-    for (one, _), (row, state) in zip(alone, batch):
-        assert row.token_ids == one.token_ids and row.num_nodes == drafter.drafts
-        assert row.values == pytest.approx(one.values, abs=1e-5)
-        assert state.length == len(state.context[0][0])  # each row's state keeps its own context
+    drafts, with the same values; as a chain and branching (a tree of 6 nodes from the same forward)."""
+    from selfdraft.configs.decode import TreeConfig
+    from selfdraft.heads.kinds.block.decode import BlockDrafter
+
+    chain = drafters[kind]
+    assert chain.batched and not drafters["eagle3"].batched
+    branching = BlockDrafter(chain.drafter, target, TreeConfig(depth=3, top_k=2, max_nodes=6))
+    for drafter in (chain, branching):
+        states, sequences = [], []
+        for p in PROMPTS:
+            session = CausalLMSession(target, hidden_layers=drafter.hidden_layers)
+            states.append(drafter.start(p, session.prefill(p)))
+            sequences.append(p + [p[0]])
+        alone = [drafter.propose(state, sequence) for state, sequence in zip(states, sequences)]
+        calls = []
+        hook = drafter.drafter.register_forward_hook(lambda module, args, out: calls.append(out.shape[0]))
+        try:
+            batch = drafter.propose_batch(states, sequences)
+        finally:
+            hook.remove()
+        assert calls == [len(PROMPTS)]
+        for (one, _), (row, state) in zip(alone, batch):
+            assert row.token_ids == one.token_ids and row.parent_ids == one.parent_ids
+            assert row.num_nodes == drafter.max_nodes and max(row.depths()) <= drafter.drafts
+            assert row.values == pytest.approx(one.values, abs=1e-5)
+            assert state.length == len(state.context[0][0])  # each row's state keeps its own context
+        if drafter is branching:
+            assert all(len(set(row.parent_ids)) < row.num_nodes for row, _ in batch)  # a tree, not a chain
 
 
 def test_bad_batches_are_clear_errors(target):

@@ -119,6 +119,15 @@ def test_a_trained_block_drafter_decodes_exactly(kind, tiny_target, tmp_path):
                    schedule="off", adaptive="off")
     assert out.token_ids == reference and out.drafter == kind
     assert out.draft_nodes_per_step == pytest.approx(dims.drafts_per_block, abs=1.0)
+    # Branching where the drafter is unsure: a tree of 2 x the block's drafts from the same forward.
+    trees = []
+    branching = make_drafter(str(result.drafter_dir), target, tree={"top_k": 2})
+    propose = branching.propose_batch
+    branching.propose_batch = lambda states, sequences: [trees.append(t) or (t, s) for t, s in propose(states, sequences)]
+    out = generate(target, input_ids=ids, drafter=branching, max_new_tokens=32, stop_on_eos=False, schedule="off",
+                   adaptive="off")
+    assert out.token_ids == reference and branching.max_nodes == 2 * dims.drafts_per_block
+    assert trees and all(t.num_nodes == branching.max_nodes and len(set(t.parent_ids)) < t.num_nodes for t in trees)
 
     # Confidence-scheduled: cut at lengths that vary with the drafter's confidence, exact all the same.
     drafter = make_drafter(str(result.drafter_dir), target)

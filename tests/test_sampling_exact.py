@@ -595,14 +595,15 @@ def test_sample_verify_on_hand_made_tree(law, test_device):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
-def test_block_drafter_session_has_target_distribution(kind, target_model, target, law):
+@pytest.mark.parametrize("kind,top_k", [("dflash", 1), ("dspark", 1), ("dflash", 2), ("dspark", 2)])
+def test_block_drafter_session_has_target_distribution(kind, top_k, target_model, target, law):
     """A DFlash / DSpark drafter proposing a block of 3 from one forward, through CausalLMSession: its
     drafts are a deterministic chain given the state, and the sampled continuations keep the target's
     law (the rule is the one every drafter's chain goes through, which the biased-rule tests above
     show this harness rejects when wrong). DSpark's blocks are cut by a confidence schedule (its
     confidence head's values against a verify cost that grows with the draft): which prefix is
-    verified depends on the drafter's state only, so the law is kept."""
+    verified depends on the drafter's state only, so the law is kept. With ``top_k`` 2 the block
+    branches (a tree of 6 nodes from the same forward), verified by the tree rule."""
     from selfdraft.configs.decode import TreeConfig
     from selfdraft.configs.run import load_run_config
     from selfdraft.heads.kinds.block.decode import BlockDrafter
@@ -630,7 +631,7 @@ def test_block_drafter_session_has_target_distribution(kind, target_model, targe
         optimizer.step()
         optimizer.zero_grad()
     module = objective.drafter_module().eval()
-    drafter = BlockDrafter(module, target_model, TreeConfig(depth=3, top_k=1, max_nodes=3))
+    drafter = BlockDrafter(module, target_model, TreeConfig(depth=3, top_k=top_k, max_nodes=3 * top_k))
     sampling, n = Sampling(1.0), 4_000
     probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
@@ -640,19 +641,33 @@ def test_block_drafter_session_has_target_distribution(kind, target_model, targe
 
         class Counting(VerifySchedule):
             kept = Counter()
+            branching = Counter()  # verified trees by whether they branch
 
             def cut(self, tree):
                 out = super().cut(tree)
                 self.kept[(tree.num_nodes, out.num_nodes)] += 1
+                self.branching[len(set(out.parent_ids)) < out.num_nodes] += 1
                 return out
 
-        schedule = Counting(VerifyCost(tuple(0.01 + 0.008 * m for m in range(1, 6)), "t", "float32", "cpu", 8, {}))
+        per_token = 0.008 if top_k == 1 else 0.0005  # a tree's branches are verified where tokens cost little
+        schedule = Counting(VerifyCost(tuple(0.01 + per_token * m for m in range(1, 3 * top_k + 3)), "t", "float32", "cpu", 8, {}))
+    branched = Counter()  # proposals by whether they branch
+    propose = drafter.propose
+
+    def counting_propose(state, sequence):
+        tree, state = propose(state, sequence)
+        branched[len(set(tree.parent_ids)) < tree.num_nodes] += 1
+        return tree, state
+
+    drafter.propose = counting_propose
     samples = sample_counts(lambda: CausalLMSession(target_model, hidden_layers=drafter.hidden_layers), drafter, sampling, n,
                             seed0=2 * 10**6, schedule=schedule)
-    pvalue, tv = _check(law, f"CausalLMSession {kind} {sampling}", samples, probs, time.perf_counter() - start)
+    pvalue, tv = _check(law, f"CausalLMSession {kind} top_k={top_k} {sampling}", samples, probs, time.perf_counter() - start)
     assert pvalue > ALPHA, f"{kind}, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
     assert samples.accepted[1] > 0.05 * n and samples.drafted[1] - samples.accepted[1] > 0.05 * n, \
         f"{kind}: depth 1 accepted {samples.accepted[1]} of {samples.drafted[1]} drafts in {n} runs: the test proves little"
+    wanted = branched[True] > 0.5 * branched.total() if top_k > 1 else not branched[True]
+    assert wanted, f"{kind}, top_k={top_k}: proposals by whether they branch {dict(branched)}"
     if schedule is not None:
         steps = sum(schedule.kept.values())
         cut = sum(count for (before, after), count in schedule.kept.items() if after < before)
@@ -660,3 +675,5 @@ def test_block_drafter_session_has_target_distribution(kind, target_model, targe
         print(f"   schedule: (proposed, verified) -> steps {dict(schedule.kept)}")
         assert 0.1 * steps < cut < 0.9 * steps and len(lengths) >= 2, \
             f"the schedule cut {cut} of {steps} blocks, to lengths {sorted(lengths)}: the test proves little about cut blocks"
+        if top_k > 1:
+            assert schedule.branching[True] > 0.1 * steps, f"verified trees by whether they branch: {dict(schedule.branching)}"

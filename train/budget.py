@@ -45,6 +45,9 @@ evidence"): about three epochs over a cached subset trained as well as one onlin
 conversations in the same time, and more epochs than that did worse; a cache buys steps more than
 accuracy."""
 
+BUDGET_EVIDENCE = "beat one online pass at this budget in the recipe sweep"
+"""Why :data:`BUDGET_EPOCHS`: the plan's reason says it."""
+
 MIN_CACHE_EPOCHS = 1.25
 """A cache is written only for runs that read their conversations at least this many times (below,
 the target forwards it saves do not pay for the disk and the writing)."""
@@ -99,14 +102,16 @@ class BudgetPlan:
 
 
 def plan_budget(seconds: float, costs: StepCosts, *, available: int, bytes_per_token: int, free_gb: float,
-                epochs: float = BUDGET_EPOCHS, max_gb: float = MAX_CACHE_GB) -> BudgetPlan:
+                epochs: float = BUDGET_EPOCHS, evidence: str = BUDGET_EVIDENCE,
+                max_gb: float = MAX_CACHE_GB) -> BudgetPlan:
     """Spend ``seconds`` of optimizer steps (and cache writing) on ``available`` conversations at most.
 
     Online: as many steps as fit, one pass while the data lasts. Cached: N conversations for which
     writing their features and ``epochs`` epochs over them fill the budget (all ``available`` when the
     budget reaches further: then the extra time is more epochs, which online would pay the target's
     forward for again). A cache is chosen when it means at least :data:`MIN_CACHE_EPOCHS` epochs and
-    fits ``free_gb`` and ``max_gb``; else online, with the reason."""
+    fits ``free_gb`` and ``max_gb``; else online, with the reason. ``evidence`` says why ``epochs``
+    (a drafter kind's objective holds both: ``budget_epochs``, ``budget_evidence``)."""
     if seconds <= 0 or costs.seconds_per_step <= 0:
         raise SelfdraftError(f"a budget of {seconds:.0f} s with steps of {costs.seconds_per_step:.2f} s plans nothing")
     cps, f, c = costs.conversations_per_step, costs.target_per_conversation, costs.rest_per_conversation
@@ -127,8 +132,7 @@ def plan_budget(seconds: float, costs: StepCosts, *, available: int, bytes_per_t
         return dataclasses.replace(online, reason=f"online: the cache of {n} conversations would take {gb:.1f} GB "
                                    f"({limit}); one pass over {online.conversations} conversations instead")
     why = (f"the data runs out online ({available} conversations, {online_reads / available:.1f} reads each)"
-           if online_reads > available else f"{epochs:g} epochs over a cached subset beat one online pass at this "
-           "budget in the recipe sweep")
+           if online_reads > available else f"{epochs:g} epochs over a cached subset {evidence}")
     return dataclasses.replace(cached, reason=f"a cache of {n} conversations ({gb:.1f} GB) read for "
                                f"{cached.epochs:.1f} epochs in {steps} steps: {why}")
 

@@ -37,6 +37,7 @@ from torch.nn import functional as F
 
 from selfdraft.configs.run import RunConfig
 from selfdraft.errors import SelfdraftError
+from selfdraft.train.budget import BUDGET_EPOCHS, BUDGET_EVIDENCE
 
 LOSS_CHUNK_ELEMENTS = 1 << 24
 """Logits the losses hold at once, positions x vocabulary: a chunk has three or four fp32 tensors of
@@ -387,6 +388,11 @@ class DrafterObjective(nn.Module):
 
     lora: bool = False
     """True when the target itself trains (Medusa-2): the loop then gathers it for the export."""
+    budget_epochs: float = BUDGET_EPOCHS
+    """Epochs over a cached subset that a fixed training budget is spent on
+    (:func:`~selfdraft.train.budget.plan_budget`, as the quickstart plans it)."""
+    budget_evidence: str = BUDGET_EVIDENCE
+    """Why ``budget_epochs``, for the plan's reason."""
     feature_layers: list[int]
     """The target's ``hidden_states`` indices the drafter reads (the last is the final normed state)."""
 

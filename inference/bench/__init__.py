@@ -11,8 +11,8 @@ same task and temperature. At temperature 0 every method's tokens are compared w
 difference is printed as a WARNING and set in bold in the report.
 
 Methods live in a registry (:data:`METHODS`, extend it with :func:`register`); any drafter folder that
-:func:`~selfdraft.inference.specs.make_drafter` reads (native Medusa / EAGLE-1 / EAGLE-3, a vLLM or
-SGLang EAGLE layout) is a method too. ``METHOD@key=value,key=value`` sets a method's options.
+:func:`~selfdraft.inference.specs.make_drafter` reads (native Medusa / EAGLE-1 / EAGLE-3 /
+DFlash / DSpark, an engine layout it reads) is a method too. ``METHOD@key=value,key=value`` sets a method's options.
 :func:`run_bench` writes ``results.json``, ``report.md`` and PNG plots, each atomically.
 
 The package, by job: :mod:`.runners` (what runs one method on one prompt), :mod:`.methods` (the

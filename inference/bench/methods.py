@@ -242,7 +242,7 @@ class MethodChoice:
 
 def method_names() -> str:
     return ", ".join(m.usage for m in METHODS.values()) + \
-        ", or a drafter folder (native Medusa / EAGLE-1 / EAGLE-3, or a vLLM/SGLang EAGLE layout)"
+        ", or a drafter folder (native Medusa / EAGLE-1 / EAGLE-3 / DFlash / DSpark, or an engine layout selfdraft reads)"
 
 
 def _lookup(spec: str) -> tuple[Method, str | None]:

@@ -1,6 +1,6 @@
 """The block drafters: DFlash (kind ``dflash``) and DSpark (kind ``dspark``), a whole block of tokens per
-drafter forward, verified as a chain. One folder for both, since DSpark is DFlash's backbone with a
-Markov head and a confidence head:
+drafter forward, verified as a chain (or, asked for, a tree that branches where the drafter is unsure).
+One folder for both, since DSpark is DFlash's backbone with a Markov head and a confidence head:
 
 * ``module.py``: the dims and the drafter module (weights and forward) of both kinds;
 * ``layouts.py``: the engine layouts (vLLM, speculators), written and read;
@@ -17,8 +17,7 @@ def _kind(name: str, title: str, dims: type, objective: str) -> DrafterKind:
     """The two kinds differ in their dims and objective; module, layouts and decoding are shared."""
     return DrafterKind(name=name, title=title, dims=dims, build=BlockHead, feature_layers=feature_layers,
                        objective=f"selfdraft.heads.kinds.block.objective:{objective}",
-                       adapter="selfdraft.heads.kinds.block.decode:adapter", writers=writers(), readers=(reader(name),),
-                       tree_options=("depth",))
+                       adapter="selfdraft.heads.kinds.block.decode:adapter", writers=writers(), readers=(reader(name),))
 
 
 DFLASH = _kind("dflash", "DFlash", DFlashDims, "BlockObjective")

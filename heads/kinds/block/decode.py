@@ -14,6 +14,15 @@ path to it, the product along the block of DSpark's confidence head (or, without
 drafter's probability of each token it drafted), by which confidence-scheduled verification
 (inference/schedule.py) verifies only the prefix of the block that pays.
 
+Branching (``top_k`` > 1): where the drafter is unsure, a tree instead of a chain, from the same one
+forward. Slot j's distribution is the drafter's for the j-th drafted token; the tree grows as EAGLE-2's
+does (:func:`~selfdraft.inference.tree.grow_dynamic_tree`: the ``top_k`` best nodes of a depth expanded
+into their ``top_k`` best children, the ``max_nodes`` best by cumulative probability kept), so a second
+candidate appears exactly where the first one's probability leaves room for it. DFlash's slots do not
+read the tokens before them, so every node of a depth gets that slot's distribution; DSpark's Markov
+head biases each node's children by the node's own token. Node values are the cumulative drafter
+probabilities (DSpark's confidence head scores its own chain's tokens, not the alternatives).
+
 Batches: :meth:`BlockDrafter.propose_batch` drafts every row of a batch in one forward (contexts padded
 to the longest, the padding masked), so a batch of B rows costs far less than B proposals.
 
@@ -32,7 +41,7 @@ from selfdraft.errors import SelfdraftError
 from selfdraft.heads.kinds.block.module import BlockHead
 from selfdraft.inference.drafters import Drafter, Verified, on_target
 from selfdraft.inference.session import StepOutput
-from selfdraft.inference.tree import DraftTree
+from selfdraft.inference.tree import DraftTree, grow_dynamic_tree
 
 
 @dataclass
@@ -47,7 +56,8 @@ class BlockState:
 
 class BlockDrafter(Drafter):
     """A DFlash or DSpark module behind the :class:`Drafter` interface, proposing ``depth`` tokens of
-    its block (at most the block's drafts) as a chain."""
+    its block (at most the block's drafts) as a chain, or with ``top_k`` > 1 a tree of ``max_nodes``
+    nodes that branches where the drafter is unsure (module docstring)."""
 
     batched = True
 
@@ -62,7 +72,10 @@ class BlockDrafter(Drafter):
                                  f"has {text.num_hidden_layers}")
         self.drafter = on_target(drafter, target_model, f"the {kind} drafter").eval()
         self.name = kind
-        self.drafts = self.valued_nodes = self.max_nodes = min(tree.depth, drafter.dims.drafts_per_block)
+        self.config = tree  # its proposal's cost depends on it (inference/schedule.py's drafter shape)
+        self.drafts = min(tree.depth, drafter.dims.drafts_per_block)
+        self.top_k = tree.top_k
+        self.valued_nodes = self.max_nodes = self.drafts if tree.top_k == 1 else tree.max_nodes
         self.embed = target_model.get_input_embeddings()
         self.lm_head = target_model.get_output_embeddings()
         self.hidden_layers = self.drafter.target_layers(text.num_hidden_layers)
@@ -120,27 +133,54 @@ class BlockDrafter(Drafter):
                         torch.stack([padded(s.context[i][1]) for s in states])) for i in range(len(self.drafter.layers))]
             visible = (torch.arange(longest, device=self.device)[None] < lengths[:, None])[:, None]  # (R, 1, N)
         out = self.drafter(self.embed(ids)[:, None], positions, context, visible)
-        tokens, accept = self._draft(out[:, 0, self.first:self.first + self.drafts], anchors)  # (R, K) each
+        out = out[:, 0, self.first:self.first + self.drafts]  # (R, K, H): the drafted slots
+        if self.top_k > 1:
+            logits = self._logits(out)
+            return [(self._tree(logits[r], anchors[r]), state) for r, state in enumerate(states)]
+        tokens, accept = self._draft(out, anchors)  # (R, K) each
         values = accept.float().cumprod(-1)  # the chance that the path to each drafted token is accepted
         host = torch.stack([tokens.to(values.dtype), values]).cpu()  # one copy to the host per proposal
         return [(DraftTree.chain(host[0, r].long().tolist(), host[1, r].clamp(0, 1).tolist()), state)
                 for r, state in enumerate(states)]
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        """(..., H) slot outputs -> (..., V') float logits over the draft vocabulary."""
+        return self.drafter.head(self.lm_head)(out)[..., : self.drafter.draft_vocab_size].float()
+
+    def _tree(self, logits: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
+        """One row's tree from its slots' logits (K, V') and its anchor (a 0-d target id)."""
+        markov = self.drafter.markov_head is not None
+        slot = iter(range(1, logits.shape[0]))  # grow_dynamic_tree expands one depth per call, in order
+
+        def expand(tokens, rows, positions, visible):  # tokens: (m,) target ids of the nodes expanded
+            j = next(slot)
+            if markov:
+                return (logits[j] + self.drafter.markov_bias(tokens).float()).log_softmax(-1)
+            return logits[j].log_softmax(-1).expand(tokens.shape[0], -1)
+
+        first = logits[0] + self.drafter.markov_bias(anchor[None])[0].float() if markov else logits[0]
+        return grow_dynamic_tree(first.log_softmax(-1), expand, depth=logits.shape[0], top_k=self.top_k,
+                                 max_nodes=self.max_nodes, past=0, to_target=self._to_target)
+
+    def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids."""
+        return ids if self.draft_ids is None else self.draft_ids[ids]
 
     def _draft(self, out: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(R, K, H) slot outputs of R blocks with anchors (R,) -> ((R, K) target ids, (R, K) each token's
         estimated acceptance chance given the ones before it). Each slot's argmax (DSpark: with the
         Markov bias of the token before it, left to right). The chance: DSpark's confidence head where it
         has one, else the drafter's own probability of the token it drafted."""
-        logits = self.drafter.head(self.lm_head)(out)[..., : self.drafter.draft_vocab_size].float()  # (R, K, V')
+        logits = self._logits(out)  # (R, K, V')
         if self.drafter.markov_head is None:
             probs, ids = logits.softmax(-1).max(-1)
-            return (ids if self.draft_ids is None else self.draft_ids[ids]), probs
+            return self._to_target(ids), probs
         previous = anchors  # (R,): stays on the device
         before, drafted, probs = [], [], []
         for j in range(logits.shape[1]):
             before.append(previous)
             p, pick = (logits[:, j] + self.drafter.markov_bias(previous).float()).softmax(-1).max(-1)
-            previous = pick if self.draft_ids is None else self.draft_ids.index_select(0, pick)
+            previous = self._to_target(pick)
             drafted.append(previous)
             probs.append(p)
         ids = torch.stack(drafted, dim=1)
@@ -156,7 +196,10 @@ class BlockDrafter(Drafter):
 
 def adapter(drafter: BlockHead, decode: dict, target, tree: dict[str, int]) -> BlockDrafter:
     """The drafter of a loaded folder, proposing the chain stored with it (``decode["tree"]``) with the
-    fields of ``tree`` replaced."""
+    fields of ``tree`` replaced; ``top_k`` > 1 branches (a tree of ``max_nodes`` nodes, by default
+    twice the chain's)."""
     stored = {**decode.get("tree", {}), **tree}
     depth = stored.get("depth", drafter.dims.drafts_per_block)
-    return BlockDrafter(drafter, target.model, TreeConfig(depth=depth, top_k=1, max_nodes=max(depth, 1)))
+    top_k = stored.get("top_k", 1)
+    max_nodes = stored.get("max_nodes", 2 * depth if top_k > 1 else depth)
+    return BlockDrafter(drafter, target.model, TreeConfig(depth=depth, top_k=top_k, max_nodes=max_nodes))

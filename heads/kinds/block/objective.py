@@ -93,6 +93,11 @@ class BlockObjective(DrafterObjective):
     j" for the j-th drafted token of a block."""
 
     DIMS: type[BlockDims] = DFlashDims
+    budget_epochs = 8.0
+    """A block drafter's step costs a fraction of the target's forward, and its held-out accuracy still
+    rose at 7 and 19 epochs over one cache (docs/block-drafters.md, the 15- and 30-minute arms): a
+    fixed budget buys more by reading fewer conversations more often than EAGLE-3's 3 epochs."""
+    budget_evidence = "trained block drafters better than 3 in the quickstart (docs/quickstart.md)"
 
     def __init__(self, run: RunConfig, target_model: nn.Module, train_data=None,
                  chunk_elements: int = LOSS_CHUNK_ELEMENTS):
