@@ -256,7 +256,11 @@ TRAINED_SMOLLM2 = {
     "eagle3": ("smoke_eagle3", []),
     "dflash": ("smoke_cpu", ["drafter.kind=dflash", "drafter.block.block_size=4"]),  # 3 drafts: the engine tests' depth
 }
-TRAINED_STEPS = 24
+TRAINED_STEPS = {"medusa": 24, "eagle": 24, "eagle3": 24, "dflash": 300}
+"""Optimizer steps per kind. DFlash needs more to draft its training answers back (its steps are cheap:
+one drafter forward per block, no target forward): at 24 steps it accepted 2 tokens in 188 steps, so a
+broken export went unnoticed; at 200, a shifted layer id changed our decoder's counters on 3 of the 4
+prompts; at 300 (about 100 s) on all 4, with 3 tokens per step on three of them."""
 
 
 @pytest.fixture(scope="session")
@@ -269,13 +273,13 @@ def engine_prompts():
 @pytest.fixture(scope="session")
 def trained_smollm2(embedded_fp32, engine_prompts, tmp_path_factory):
     """kind -> native drafter folder of a Medusa (3 heads), EAGLE-1, EAGLE-3 and DFlash drafter, each trained
-    for TRAINED_STEPS steps on the target's own greedy answers to ``engine_prompts`` (64 tokens).
+    for TRAINED_STEPS[kind] steps on the target's own greedy answers to ``engine_prompts`` (64 tokens).
 
     Deliberately overfit: an engine test needs drafts that the target accepts often on the prompts it
     decodes, so that the engine's acceptance counters say something (a drafter trained briefly on
     ShareGPT accepts about 1 token in 20). The four runs read one feature cache holding every layer
     they need (the same batches as online features, bit for bit, without the target's forward in each
-    step): about a minute of CPU in all."""
+    step): about three minutes of CPU in all, most of it DFlash's 300 steps."""
     from selfdraft.configs.run import load_run_config
     from selfdraft.inference.api import generate_batch
     from selfdraft.train.features import cache_features, feature_layers
@@ -293,8 +297,8 @@ def trained_smollm2(embedded_fp32, engine_prompts, tmp_path_factory):
     def config(kind, *more):
         preset, overrides = TRAINED_SMOLLM2[kind]
         return load_run_config(preset, [
-            *overrides, f"train.output_dir={root / kind}", f"train.max_steps={TRAINED_STEPS}", "train.eval_every=0",
-            f"train.save_every={TRAINED_STEPS}", "train.lr=3e-3", f"data.source={data}", "data.max_length=256",
+            *overrides, f"train.output_dir={root / kind}", f"train.max_steps={TRAINED_STEPS[kind]}", "train.eval_every=0",
+            f"train.save_every={TRAINED_STEPS[kind]}", "train.lr=3e-3", f"data.source={data}", "data.max_length=256",
             "data.eval_fraction=0.1", "train.micro_batch_size=2", "train.grad_accum=1", "train.warmup_steps=2", *more])
 
     num_layers = embedded_fp32.model.config.num_hidden_layers

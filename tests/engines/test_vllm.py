@@ -8,8 +8,8 @@ exported with ``selfdraft export --format vllm`` (EAGLE-3 and DFlash also ``--fo
   as our decoder with the same chain (depth = num_speculative_tokens, top-1): the drafter vLLM runs is
   the drafter we trained.
 
-A deliberately broken export (EAGLE-3 fusing other target layers) must fail that comparison: the
-test has teeth. The whole module is skipped, with the reason printed, only where vLLM's venv cannot
+A deliberately broken export (EAGLE-3 or DFlash fusing other target layers) must fail that
+comparison: the test has teeth. The whole module is skipped, with the reason printed, only where vLLM's venv cannot
 be made. The engines run one after another in one process (vLLM imported once).
 """
 
@@ -47,10 +47,7 @@ def target_path():
 
 VLLM_KINDS = ("medusa", "eagle", "eagle3", "dflash")
 SPECULATORS_KINDS = ("eagle3", "dflash")
-BROKEN_KINDS = ("eagle3",)
-"""DFlash is left out until the fixture's drafter accepts enough to tell: trained TRAINED_STEPS steps it
-accepts about 2 tokens in 188 steps, mostly frequent tokens it drafts whatever its context, so a
-shifted layer id changes none of vLLM's counters (docs/block-drafters.md, "Not done yet")."""
+BROKEN_KINDS = ("eagle3", "dflash")
 
 
 def broken(config: dict, kind: str) -> dict:
