@@ -595,7 +595,7 @@ def test_sample_verify_on_hand_made_tree(law, test_device):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,top_k", [("dflash", 1), ("dspark", 1), ("dflash", 2), ("dspark", 2)])
+@pytest.mark.parametrize("kind,top_k", [("dflash", 1), ("dspark", 1), ("dspark", 2)])
 def test_block_drafter_session_has_target_distribution(kind, top_k, target_model, target, law):
     """A DFlash / DSpark drafter proposing a block of 3 from one forward, through CausalLMSession: its
     drafts are a deterministic chain given the state, and the sampled continuations keep the target's
@@ -603,7 +603,10 @@ def test_block_drafter_session_has_target_distribution(kind, top_k, target_model
     show this harness rejects when wrong). DSpark's blocks are cut by a confidence schedule (its
     confidence head's values against a verify cost that grows with the draft): which prefix is
     verified depends on the drafter's state only, so the law is kept. With ``top_k`` 2 the block
-    branches (a tree of 6 nodes from the same forward), verified by the tree rule."""
+    branches (a tree of 6 nodes from the same forward, each node's children biased by its own token
+    through DSpark's Markov head), cut by the schedule to trees that still branch, verified by the tree
+    rule (DFlash's trees are the same with one distribution per depth; its greedy trees are checked in
+    tests/test_block_drafters.py)."""
     from selfdraft.configs.decode import TreeConfig
     from selfdraft.configs.run import load_run_config
     from selfdraft.heads.kinds.block.decode import BlockDrafter
