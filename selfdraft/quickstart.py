@@ -6,11 +6,12 @@
 Stages, each recorded in ``OUT/stages.json`` when it finishes and skipped when the command runs again
 (an interrupted stage resumes: training from its last checkpoint):
 
-1. **train** the best drafter we have for the budget (the ``quickstart`` preset: EAGLE-3 on
+1. **train** the best drafter we have for the budget (the ``quickstart`` preset: DFlash block 4 on
    SmolLM2-135M-Instruct and the embedded ShareGPT conversations). ``calibration_steps`` online
    steps are timed first (the target's forward apart); :func:`selfdraft.train.budget.plan_budget`
    then spends ``--budget-minutes`` on online features or on a feature cache of fewer conversations
-   read for several epochs (as the recipe sweep found best, where the disk allows): that plan fixes
+   read for the epochs its kind is best trained for (the objective's ``budget_epochs``: EAGLE-3 3,
+   as the recipe sweep found, the block kinds 8), where the disk allows: that plan fixes
    the data and the cache, written first. The run then trains against the budget left
    (``train.time_budget_minutes``): it re-plans its number of steps from the step times it measures,
    so a machine that was busy while the calibration was timed does not leave the budget half spent.
@@ -21,9 +22,9 @@ Stages, each recorded in ``OUT/stages.json`` when it finishes and skipped when t
    transformers' greedy and prompt-lookup decoding on a subset of MT-bench and HumanEval, greedy
    (token identity is checked), and print the table, where the report is, and the fastest exact
    configuration measured on this machine with the command that decodes with it.
-3. **export** it for vLLM and for SGLang (``OUT/export-vllm``, ``OUT/export-sglang``, each with a
-   README.md model card holding the measured acceptance length and its serving command) next to the
-   native one.
+3. **export** it in every engine layout its kind has (``OUT/export-vllm``, ``OUT/export-sglang``;
+   DFlash has no SGLang layout, which the stage says), each with a README.md model card holding the
+   measured acceptance length and its serving command, next to the native one.
 """
 
 from __future__ import annotations

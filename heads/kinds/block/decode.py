@@ -72,9 +72,8 @@ class BlockDrafter(Drafter):
                                  f"has {text.num_hidden_layers}")
         self.drafter = on_target(drafter, target_model, f"the {kind} drafter").eval()
         self.name = kind
-        self.config = tree  # its proposal's cost depends on it (inference/schedule.py's drafter shape)
+        self.config = tree  # the tree it proposes; its cost is keyed by it (inference/schedule.py's drafter shape)
         self.drafts = min(tree.depth, drafter.dims.drafts_per_block)
-        self.top_k = tree.top_k
         self.valued_nodes = self.max_nodes = self.drafts if tree.top_k == 1 else tree.max_nodes
         self.embed = target_model.get_input_embeddings()
         self.lm_head = target_model.get_output_embeddings()
@@ -134,7 +133,7 @@ class BlockDrafter(Drafter):
             visible = (torch.arange(longest, device=self.device)[None] < lengths[:, None])[:, None]  # (R, 1, N)
         out = self.drafter(self.embed(ids)[:, None], positions, context, visible)
         out = out[:, 0, self.first:self.first + self.drafts]  # (R, K, H): the drafted slots
-        if self.top_k > 1:
+        if self.config.top_k > 1:
             logits = self._logits(out)
             return [(self._tree(logits[r], anchors[r]), state) for r, state in enumerate(states)]
         tokens, accept = self._draft(out, anchors)  # (R, K) each
@@ -159,7 +158,7 @@ class BlockDrafter(Drafter):
             return logits[j].log_softmax(-1).expand(tokens.shape[0], -1)
 
         first = logits[0] + self.drafter.markov_bias(anchor[None])[0].float() if markov else logits[0]
-        return grow_dynamic_tree(first.log_softmax(-1), expand, depth=logits.shape[0], top_k=self.top_k,
+        return grow_dynamic_tree(first.log_softmax(-1), expand, depth=logits.shape[0], top_k=self.config.top_k,
                                  max_nodes=self.max_nodes, past=0, to_target=self._to_target)
 
     def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
