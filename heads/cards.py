@@ -24,6 +24,12 @@ def sglang_command(target: str, folder: str, algorithm: str, depth: int, top_k: 
             f"--speculative-eagle-topk {top_k} --speculative-num-draft-tokens {nodes + 1}")
 
 
+def sglang_block_command(target: str, folder: str, algorithm: str, verified: int) -> str:
+    """SGLang's server with a block drafter (``DFLASH``, ``DSPARK``) verifying ``verified`` tokens a step."""
+    return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
+            f"--speculative-draft-model-path {folder} --speculative-num-draft-tokens {verified}")
+
+
 ENGINE_NOTES = {
     "vllm": ["vLLM drafts a chain of `num_speculative_tokens` tokens. `selfdraft bench --methods vllm:FOLDER` "
              "decodes the same prompts in vLLM beside selfdraft's own loop.", ""],
@@ -34,11 +40,13 @@ ENGINE_NOTES = {
 
 def model_card(*, engine: str, engine_name: str, title: str, target: dict[str, Any], folder: str,
                run_config: dict[str, Any] | None, evaluation: dict[str, Any] | None, details: list[str],
-               command: str, acceptance: dict[str, Any] | None = None, python: bool = False) -> str:
+               command: str, acceptance: dict[str, Any] | None = None, python: bool = False,
+               notes: list[str] | None = None) -> str:
     """README.md text for an export of a ``title`` drafter (e.g. EAGLE-3) for ``engine``. ``target`` is
     the recorded TargetIdentity dict; ``details`` are layout lines (fused layers, draft vocabulary,
     ...); ``command`` serves it (Python lines when ``python``); ``acceptance`` a measured
-    ``{"acceptance_length": float, "where": str}`` or None."""
+    ``{"acceptance_length": float, "where": str}`` or None; ``notes``: lines after the command in place of
+    the engine's usual ones."""
     from selfdraft import __version__
 
     name = title
@@ -70,7 +78,7 @@ def model_card(*, engine: str, engine_name: str, title: str, target: dict[str, A
                      f"{'vllm:' if engine == 'vllm' else ''}{folder}` measures it |")
     lang = "python" if python else "bash"
     lines += ["", f"## Serve it with {engine_name}", "", f"```{lang}", command, "```", ""]
-    lines += ENGINE_NOTES.get(engine, [])
+    lines += ENGINE_NOTES.get(engine, []) if notes is None else notes
     return "\n".join(lines)
 
 
@@ -112,10 +120,11 @@ def sglang_schedule(profile: dict[str, Any]) -> dict[str, Any]:
     return profile["sglang"] if "sglang" in profile else sglang_settings(profile["schedule"])
 
 
-def profile_section(profile: dict[str, Any], engine: str, folder: str = "FOLDER") -> str:
+def profile_section(profile: dict[str, Any], engine: str, folder: str = "FOLDER", per_batch: bool = True) -> str:
     """The model card's section for a speculation profile: the schedule per batch size, where it was
     measured, and the engine's setting that applies it (vLLM's per-batch-size draft lengths, SGLang's
-    adaptive config in ``folder``)."""
+    adaptive config in ``folder``); ``per_batch`` False: the engine verifies a fixed length with this
+    layout (SGLang's block drafters), so only where drafting stops paying applies."""
     machine = profile.get("machine", {})
     where = ", ".join(str(machine[k]) for k in ("cpu", "gpu") if machine.get(k)) or "this machine"
     lines = ["", "## Speculation schedule", "",
@@ -130,6 +139,10 @@ def profile_section(profile: dict[str, Any], engine: str, folder: str = "FOLDER"
     if not any(int(e["tokens"]) for e in profile["schedule"]):
         lines += ["", "Drafting paid at no measured batch size there: serve the target without this drafter on "
                   "that machine."]
+    elif not per_batch:
+        lines += ["", "This engine verifies the same number of tokens at every batch size with this layout, so the "
+                  "schedule applies there only as where drafting stops paying: serve the target without the drafter "
+                  "at larger batch sizes."]
     elif engine == "vllm":
         lines += ["", "vLLM applies it per batch size with these speculative-config entries (merged into the "
                   "`--speculative-config` above):", "", "```json", json.dumps(profile["vllm"]), "```"]

@@ -89,6 +89,10 @@ class EngineWriter:
     """(an exported folder's config.json) -> how the engine serves it, for folders this writer wrote:
     ``{"method": ..., "num_speculative_tokens": default, "fixed": whether that number is the only
     one it takes}`` (vLLM's ``speculative_config``); None for another layout."""
+    per_batch_lengths: bool = True
+    """Whether the engine takes the speculation schedule's draft length per batch size for this layout
+    (vLLM's ``num_speculative_tokens_per_batch_size``, SGLang's adaptive config); False: it verifies a
+    fixed length, and the card gives the batch size above which drafting does not pay."""
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ Exactness is per row, as at batch 1: greedy rows take the argmax path; sampled r
 own random generator (seeded per row) and go through the same verification rule, so each row keeps
 the target's distribution. The drafter keeps one state per row (``Drafter.start`` / ``propose`` /
 ``observe`` with explicit state, so one drafter object serves every row); a step's proposals are one
-``Drafter.propose_batch`` call, one drafter forward for every row where the drafter is ``batched`` (the
-block drafters), row by row otherwise.
+``Drafter.propose_batch`` call: one drafter forward for every row where the drafter is ``batched`` (the
+block drafters; EAGLE-1 and EAGLE-3 one per tree depth, all rows in lockstep), row by row otherwise.
 """
 
 from __future__ import annotations

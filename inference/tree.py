@@ -10,10 +10,12 @@ which path was accepted), so :class:`DraftTree` and :class:`TreeBuffers` hold CP
 tuples, made with ``device="cpu"`` explicitly. What a forward needs (token ids, positions, the 4D
 mask) is put on the model's device by the session, in one copy each per step
 (:func:`tree_attention_mask` builds the mask there). :func:`grow_dynamic_tree` works on the drafter's
-device and brings the finished tree to the host in one copy.
+device and brings the finished tree to the host in one copy; :func:`grow_dynamic_trees` grows the trees
+of a batch of rows in lockstep (one drafter forward per depth for all of them), in one copy too.
 
-Shape letters (DESIGN.md): N draft nodes, M = N + 1 tree positions, P paths, L path length,
-V' draft vocabulary, S tree slots fed so far.
+Shape letters (DESIGN.md): B batch rows, N draft nodes, M = N + 1 tree positions, P paths, L path
+length, V' draft vocabulary, S tree slots fed so far, W committed cache columns, F and C a depth's and
+all depths' candidates.
 """
 
 from __future__ import annotations
@@ -217,11 +219,12 @@ def build_tree_buffers(tree: DraftTree) -> TreeBuffers:
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(Q, K) bool "may attend" -> (1, 1, Q, K) additive mask of ``dtype`` on ``visible``'s device: 0
-    where allowed, the dtype's most negative value elsewhere. A float mask, never a bool one: the eager
-    attention path adds the mask (FACTS.md)."""
-    mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=visible.device)
-    return mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    """(Q, K) or (B, Q, K) bool "may attend" -> (1 or B, 1, Q, K) additive mask of ``dtype`` on
+    ``visible``'s device: 0 where allowed, the dtype's most negative value elsewhere. A float mask, never
+    a bool one: the eager attention path adds the mask (FACTS.md)."""
+    rows = visible.reshape(-1, *visible.shape[-2:])  # (B, Q, K); B = 1 for a (Q, K) pattern
+    mask = torch.zeros(rows.shape[0], 1, *rows.shape[1:], dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~rows[:, None], torch.finfo(dtype).min)
 
 
 def tree_attention_mask(ancestors: torch.Tensor, past: int, dtype: torch.dtype,
@@ -264,38 +267,82 @@ def grow_dynamic_tree(root_log_probs: torch.Tensor, expand: ExpandFn, *, depth: 
     to_target: draft-vocabulary ids -> target ids (EAGLE-3's reduced vocabulary), or None.
     Candidates are laid out by depth; those of one depth are (m, top_k) row-major, so candidate j of a
     depth was proposed by row j // top_k of that depth's ``expand`` output.
+
+    One row of :func:`grow_dynamic_trees`, run by the same code without the batch dimension.
     """
     device = root_log_probs.device
-    top = torch.topk(root_log_probs[None], top_k, dim=-1)  # (1, k)
-    ids = top.indices.flatten()
-    tokens = [ids if to_target is None else to_target(ids)]  # per depth: (F,) target ids of the candidates
-    scores = [top.values.flatten()]  # per depth: (F,) cumulative log-probabilities
-    parents = [torch.full((top_k,), -1, dtype=torch.long, device=device)]  # per depth: (F,) candidate index of the parent
-    seen = torch.zeros(top_k, 0, dtype=torch.bool, device=device)  # (F, S): tree slots of each candidate's ancestors
-    offset = 0  # candidate index of the first candidate of the previous depth
-    for d in range(2, depth + 1):
-        frontier = scores[-1]  # (F,)
-        m = min(top_k, frontier.numel())
-        chosen = torch.sort(frontier, descending=True, stable=True).indices[:m]  # (m,) best first, ties by index
-        slots = torch.cat([seen[chosen], torch.eye(m, dtype=torch.bool, device=device)], dim=1)  # (m, S + m)
-        visible = torch.cat([torch.ones(m, past, dtype=torch.bool, device=device), slots], dim=1)  # (m, past + S + m)
-        positions = torch.full((m,), past + d - 2, dtype=torch.long, device=device)  # the chosen nodes are at depth d - 1
-        log_probs = expand(tokens[-1][chosen], chosen // top_k, positions, visible)
-        child = torch.topk(log_probs, top_k, dim=-1)  # (m, k)
-        ids = child.indices.flatten()  # (m * k,) row-major: row r's children are r*k .. r*k + k - 1
-        tokens.append(ids if to_target is None else to_target(ids))
-        scores.append((frontier[chosen, None] + child.values).flatten())
-        parents.append((offset + chosen)[:, None].expand(m, top_k).flatten())
-        seen = slots[:, None, :].expand(m, top_k, slots.shape[1]).flatten(0, 1)  # (m * k, S + m)
-        offset += frontier.numel()
-    all_scores = torch.cat(scores)  # (C,) candidates in depth order
-    all_depths = torch.cat([torch.full_like(s, i + 1, dtype=torch.long) for i, s in enumerate(scores)])
-    keep = torch.sort(all_scores, descending=True, stable=True).indices[:max_nodes]  # best first; ties: shallower
-    keep = keep[torch.sort(all_depths[keep], stable=True).indices]  # parents first: by depth, then score
-    remap = torch.full_like(all_depths, -1)
-    remap[keep] = torch.arange(keep.numel(), device=device)
-    kept_parents = torch.cat(parents)[keep]
-    kept_parents = torch.where(kept_parents >= 0, remap[kept_parents.clamp(min=0)], kept_parents)
-    probs = all_scores[keep].double().exp().clamp(max=1.0)  # each node's cumulative draft probability
-    host = torch.stack([torch.cat(tokens)[keep].double(), kept_parents.double(), probs]).tolist()  # the one copy: (3, N)
+    host = _grow(root_log_probs, expand, depth=depth, top_k=top_k, max_nodes=max_nodes,
+                 past=torch.full((), past, dtype=torch.long, device=device),
+                 cached=torch.ones(past, dtype=torch.bool, device=device), to_target=to_target)
     return DraftTree.from_lists([int(t) for t in host[0]], [int(p) for p in host[1]], host[2])
+
+
+def grow_dynamic_trees(root_log_probs: torch.Tensor, expand: ExpandFn, *, depth: int, top_k: int, max_nodes: int,
+                       past: torch.Tensor, cached: torch.Tensor,
+                       to_target: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[DraftTree]:
+    """:func:`grow_dynamic_tree` for B rows in lockstep: one ``expand`` per depth feeds every row's
+    ``top_k`` chosen nodes together (one drafter forward for the batch), and each row's tree is the one
+    it grows alone (the choices are per row; only the shapes are shared: every row feeds ``top_k`` nodes
+    per depth, so tree slot s is the same cache column in every row). One copy to the host at the end.
+
+    root_log_probs: (B, V') each row's log-probabilities below its root.
+    past: (B,) long, each row's committed positions: its depth-d nodes are fed at position past - 1 + d.
+    cached: (B, W) bool, the W committed cache columns each row's nodes may attend to (a batch cache
+        padded to its longest row holds other rows' padding, which stays hidden).
+    expand(tokens, rows, positions, visible) -> (B, m, V'): feed m nodes per row: tokens (B, m) target
+        ids; rows (B, m) for each node the row (within its batch row) of the previous ``expand`` output
+        that predicted it (0 at depth 1: the root's prediction); positions (B, m); visible
+        (B, m, W + S + m) bool: ``cached``, the S tree slots of the node's ancestors, itself. The cache
+        grows by m columns per call: the caller drops them afterwards.
+    to_target: draft-vocabulary ids -> target ids (EAGLE-3's reduced vocabulary), or None.
+    Returns the B trees, in row order.
+    """
+    host = _grow(root_log_probs, expand, depth=depth, top_k=top_k, max_nodes=max_nodes, past=past, cached=cached,
+                 to_target=to_target)
+    return [DraftTree.from_lists([int(t) for t in tokens], [int(p) for p in parents], values)
+            for tokens, parents, values in zip(*host)]
+
+
+def _grow(root_log_probs: torch.Tensor, expand: ExpandFn, *, depth: int, top_k: int, max_nodes: int, past: torch.Tensor,
+          cached: torch.Tensor, to_target: Callable[[torch.Tensor], torch.Tensor] | None) -> list:
+    """The tree growth of :func:`grow_dynamic_trees` over any leading batch shape ``lead`` (``()`` for
+    :func:`grow_dynamic_tree`'s one row, ``(B,)`` for a batch): root_log_probs (*lead, V'), past lead,
+    cached (*lead, W); every index runs along the last dimensions. Returns the host lists (3, *lead, N):
+    tokens, parents and values of the kept nodes."""
+    lead, device = root_log_probs.shape[:-1], root_log_probs.device
+    top = torch.topk(root_log_probs, top_k, dim=-1)  # (*lead, k)
+    ids = top.indices
+    tokens = [ids if to_target is None else to_target(ids)]  # per depth: (*lead, F) target ids of the candidates
+    scores = [top.values]  # per depth: (*lead, F) cumulative log-probabilities
+    parents = [torch.full((*lead, top_k), -1, dtype=torch.long, device=device)]  # per depth: (*lead, F) parent candidate
+    seen = torch.zeros(*lead, top_k, 0, dtype=torch.bool, device=device)  # (*lead, F, S): tree slots of its ancestors
+    offset = 0  # candidate index of the first candidate of the previous depth
+    # Every depth expands k nodes (depth 1 has k candidates, each later one k * k): the parts of each
+    # depth's mask and positions that do not depend on the choice are made once.
+    itself = torch.eye(top_k, dtype=torch.bool, device=device).expand(*lead, top_k, top_k)  # (*lead, k, k)
+    committed = cached.unsqueeze(-2).expand(*lead, top_k, cached.shape[-1])  # (*lead, k, W)
+    first = past.unsqueeze(-1).expand(*lead, top_k)  # (*lead, k): position of a depth-1 node
+    for d in range(2, depth + 1):
+        frontier = scores[-1]  # (*lead, F)
+        chosen = torch.sort(frontier, dim=-1, descending=True, stable=True).indices[..., :top_k]  # (*lead, k) best first, ties by index
+        ancestors = seen.gather(-2, chosen.unsqueeze(-1).expand(*lead, top_k, seen.shape[-1]))  # (*lead, k, S)
+        slots = torch.cat([ancestors, itself], dim=-1)  # (*lead, k, S + k)
+        visible = torch.cat([committed, slots], dim=-1)  # (*lead, k, W + S + k)
+        log_probs = expand(tokens[-1].gather(-1, chosen), chosen // top_k, first + (d - 2), visible)  # (*lead, k, V')
+        child = torch.topk(log_probs, top_k, dim=-1)  # (*lead, k, k)
+        ids = child.indices.flatten(-2)  # (*lead, k * k) row-major: node r's children are r*k .. r*k + k - 1
+        tokens.append(ids if to_target is None else to_target(ids))
+        scores.append((frontier.gather(-1, chosen).unsqueeze(-1) + child.values).flatten(-2))
+        parents.append((offset + chosen).unsqueeze(-1).expand(*lead, top_k, top_k).flatten(-2))
+        seen = slots.unsqueeze(-2).expand(*lead, top_k, top_k, slots.shape[-1]).flatten(-3, -2)  # (*lead, k * k, S + k)
+        offset += frontier.shape[-1]
+    all_scores = torch.cat(scores, dim=-1)  # (*lead, C) candidates in depth order
+    all_depths = torch.cat([torch.full((s.shape[-1],), i + 1, dtype=torch.long, device=device) for i, s in enumerate(scores)])
+    keep = torch.sort(all_scores, dim=-1, descending=True, stable=True).indices[..., :max_nodes]  # (*lead, N) best first; ties: shallower
+    keep = keep.gather(-1, torch.sort(all_depths[keep], dim=-1, stable=True).indices)  # parents first: by depth, then score
+    remap = keep.new_full(all_scores.shape, -1)  # (*lead, C): candidate -> its node index, -1 if dropped
+    remap.scatter_(-1, keep, torch.arange(keep.shape[-1], device=device).expand_as(keep))
+    kept_parents = torch.cat(parents, dim=-1).gather(-1, keep)  # (*lead, N)
+    kept_parents = torch.where(kept_parents >= 0, remap.gather(-1, kept_parents.clamp(min=0)), kept_parents)
+    probs = all_scores.gather(-1, keep).double().exp().clamp(max=1.0)  # each node's cumulative draft probability
+    return torch.stack([torch.cat(tokens, dim=-1).gather(-1, keep).double(), kept_parents.double(), probs]).tolist()  # the one copy

@@ -23,7 +23,8 @@ Stages, each recorded in ``OUT/stages.json`` when it finishes and skipped when t
    (token identity is checked), and print the table, where the report is, and the fastest exact
    configuration measured on this machine with the command that decodes with it.
 3. **export** it in every engine layout its kind has (``OUT/export-vllm``, ``OUT/export-sglang``;
-   DFlash has no SGLang layout, which the stage says), each with a README.md model card holding the
+   SGLang serves DFlash only through the target's own LM head, so a DFlash drafter with a reduced draft
+   vocabulary gets no SGLang folder, which the stage says), each with a README.md model card holding the
    measured acceptance length and its serving command, next to the native one.
 """
 
@@ -353,7 +354,13 @@ def quickstart(qc: QuickstartConfig) -> dict:
             if fmt not in {w.format for w in kind.writers}:
                 _say(f"export: {kind.title} drafters have no {fmt} layout (README's engine table says why); skipped")
                 continue
-            folder, message = export(drafter, fmt, out / f"export-{fmt}", acceptance=acceptance)
+            try:
+                folder, message = export(drafter, fmt, out / f"export-{fmt}", acceptance=acceptance)
+            except SelfdraftError as e:  # a layout this drafter cannot take (refused before anything is written)
+                if fmt == EXPORT_FORMATS[0]:
+                    raise
+                _say(f"export: no {fmt} folder: {e}")
+                continue
             folders[fmt] = str(folder)
             _say(f"export: {message}")
         stages.finish("export", {"folders": folders})

@@ -3,7 +3,8 @@ its own tree, cache validity and acceptance, exact per row.
 
 Greedy: every row equals transformers' generate() and its own batch-1 output, for every drafter kind,
 prompts of different lengths, rows that stop early (EOS, the context) and a batch that shrinks as they
-leave. Sampled: each row equals its own batch-1 output under the same seed (the batch-1 loop's law is
+leave. Batched drafters (the block kinds, EAGLE-1 and EAGLE-3) draft each row's own tree, in one drafter
+forward for the batch (per depth, for EAGLE). Sampled: each row equals its own batch-1 output under the same seed (the batch-1 loop's law is
 what test_sampling_exact.py checks; the chi-square harness per row of a batch is there too).
 """
 
@@ -18,7 +19,7 @@ from selfdraft.configs.decode import DRAFT_MODEL_TREE, DecodeConfig, PromptLooku
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.batch import BatchSession, batched_decode
 from selfdraft.inference.decode import speculative_decode
-from selfdraft.inference.drafters import DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter
+from selfdraft.inference.drafters import DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter, Verified
 from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter
 from selfdraft.inference.session import CausalLMSession
 from selfdraft.inference.tree import DraftTree
@@ -31,11 +32,26 @@ def target(tiny_llama):
     return tiny_llama(0)
 
 
+def random_eagle(target, kind: str, tree):
+    """A seeded random EAGLE-1 (``kind="eagle"``) or EAGLE-3 (a draft vocabulary of 60) drafter of ``target``."""
+    from selfdraft.heads.kinds.eagle import new_drafter
+    from selfdraft.heads.kinds.eagle.decode import EagleTreeDrafter
+
+    torch.manual_seed(5)
+    module = new_drafter(target, kind, draft_vocab_size=60 if kind == "eagle3" else None)
+    if kind == "eagle3":
+        module.set_vocab_map(torch.randperm(target.config.vocab_size)[:60])
+    return EagleTreeDrafter(module.eval(), target, tree)
+
+
 @pytest.fixture(scope="module")
 def drafters(target, tiny_llama, random_kind_drafters):
+    from selfdraft.configs.decode import TreeConfig
+
     draft = tiny_llama(1, layers=1, hidden=32)
     kinds = random_kind_drafters(target)
     return {
+        "eagle": random_eagle(target, "eagle", TreeConfig(depth=3, top_k=2, max_nodes=4)),
         "none": NoDrafter(),
         "prompt-lookup": PromptLookupDrafter(PromptLookupConfig(max_branches=2, num_tokens=4, max_nodes=8, min_ngram=1)),
         "draft-model": DraftModelDrafter(draft, dataclasses.replace(DRAFT_MODEL_TREE, depth=3, top_k=2, max_nodes=6)),
@@ -124,7 +140,7 @@ def test_sampled_rows_equal_their_batch_one_runs_under_the_same_seed(target, dra
     that seed, so the batch keeps the batch-1 loop's (lossless) law row by row."""
     config = DecodeConfig(max_new_tokens=24, temperature=1.0, top_p=0.9)
     seeds = [11, 12, 13, 14]
-    for name in ("none", "prompt-lookup", "draft-model", "dflash"):
+    for name in ("none", "prompt-lookup", "draft-model", "dflash", "eagle3"):
         drafter = drafters[name]
         outs = batched_decode(BatchSession(target, hidden_layers=drafter.hidden_layers), PROMPTS, drafter, config,
                               seeds=seeds)
@@ -143,7 +159,7 @@ def test_a_block_drafter_drafts_a_whole_batch_in_one_forward(target, drafters, k
     from selfdraft.heads.kinds.block.decode import BlockDrafter
 
     chain = drafters[kind]
-    assert chain.batched and not drafters["eagle3"].batched
+    assert chain.batched and not drafters["medusa"].batched
     branching = BlockDrafter(chain.drafter, target, TreeConfig(depth=3, top_k=2, max_nodes=6))
     for drafter in (chain, branching):
         states, sequences = [], []
@@ -166,6 +182,88 @@ def test_a_block_drafter_drafts_a_whole_batch_in_one_forward(target, drafters, k
             assert state.length == len(state.context[0][0])  # each row's state keeps its own context
         if drafter is branching:
             assert all(len(set(row.parent_ids)) < row.num_nodes for row, _ in batch)  # a tree, not a chain
+
+
+def committed(target, drafter, sequence, tree, accepted: int) -> tuple[list[int], Verified]:
+    """A verification step that accepted up to ``accepted`` nodes along ``tree``'s first path below the
+    root ``sequence[-1]`` and the bonus token 1: the new sequence, and what the drafter observes (the
+    target's features at the root and the accepted positions)."""
+    path, node = [], -1
+    while len(path) < accepted and node in tree.parent_ids:
+        node = tree.parent_ids.index(node)  # the first child of the last node taken
+        path.append(tree.token_ids[node])
+    accepted = len(path)
+    out = CausalLMSession(target, hidden_layers=drafter.hidden_layers).prefill(sequence + path)
+    return sequence + path + [1], Verified(path + [1], tuple(h[-(accepted + 1):] for h in out.hidden))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_an_eagle_drafter_drafts_a_whole_batch_in_one_forward_per_depth(target, kind):
+    """EAGLE's ``propose_batch``: rows with contexts of 1-14 positions and different pending features (the
+    whole prompt at the first step, 1-4 accepted positions at the second) catch up in one drafter forward
+    and grow their trees in one forward per depth; each row's tree is the one its own ``propose`` grows
+    (tokens, parents, values), and each row's state holds its committed positions only, so the next
+    step continues it exactly as the row's own proposals do."""
+    from selfdraft.configs.decode import TreeConfig
+
+    drafter = random_eagle(target, kind, TreeConfig(depth=4, top_k=3, max_nodes=10))
+    assert drafter.batched
+    sequences, alone_states, batch_states = [], [], []
+    for p in PROMPTS:
+        prefill = CausalLMSession(target, hidden_layers=drafter.hidden_layers).prefill(p)
+        alone_states.append(drafter.start(p, prefill))
+        batch_states.append(drafter.start(p, prefill))
+        sequences.append(p + [p[0]])
+    for step in range(2):
+        assert len({s.pending.shape[0] for s in batch_states}) > 1  # pending features differ from row to row
+        alone = [drafter.propose(state, sequence) for state, sequence in zip(alone_states, sequences)]
+        calls = []
+        hook = drafter.drafter.register_forward_hook(lambda module, args, out: calls.append(out.shape[:2]))
+        try:
+            batch = drafter.propose_batch(batch_states, sequences)
+        finally:
+            hook.remove()
+        most = max(s.pending.shape[0] for s in batch_states)
+        assert calls == [(len(PROMPTS), most)] + [(len(PROMPTS), 3)] * 3, calls  # catch-up, then k nodes per depth
+        for (one, one_state), (row, state), sequence in zip(alone, batch, sequences):
+            assert row.token_ids == one.token_ids and row.parent_ids == one.parent_ids, step
+            assert row.num_nodes == 10 and row.values == pytest.approx(one.values, rel=1e-4, abs=1e-8)
+            assert state.length == one_state.length == len(sequence) - 1 == state.cache.get_seq_length()
+            torch.testing.assert_close(state.cache.layers[0].keys, one_state.cache.layers[0].keys, atol=1e-5, rtol=1e-5)
+        steps = [committed(target, drafter, sequence, tree, accepted=i % 4)
+                 for i, (sequence, (tree, _)) in enumerate(zip(sequences, alone))]
+        sequences = [sequence for sequence, _ in steps]
+        alone_states = [drafter.observe(state, v) for (_, state), (_, v) in zip(alone, steps)]
+        batch_states = [drafter.observe(state, v) for (_, state), (_, v) in zip(batch, steps)]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_greedy_batches_with_an_eagle_drafter_draft_in_lockstep_and_stay_exact(target, kind):
+    """Batched decoding with an EAGLE drafter of a wide tree (its random drafts are accepted now and then,
+    so rows commit different counts and catch up on different numbers of features): every row equals
+    generate() and its own batch-1 run (tokens, forwards, acceptances), and the drafter ran ``depth``
+    forwards per step for the whole batch, not per row."""
+    from selfdraft.configs.decode import TreeConfig
+
+    n = 24
+    drafter = random_eagle(target, kind, TreeConfig(depth=3, top_k=6, max_nodes=16))
+    calls = []
+    hook = drafter.drafter.register_forward_hook(lambda module, args, out: calls.append(out.shape[0]))
+    try:
+        outs = batched_decode(BatchSession(target, hidden_layers=drafter.hidden_layers), PROMPTS, drafter,
+                              DecodeConfig(max_new_tokens=n))
+    finally:
+        hook.remove()
+    accepted = 0
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == reference(target, prompt, n)
+        alone = speculative_decode(CausalLMSession(target, hidden_layers=drafter.hidden_layers), prompt, drafter,
+                                   DecodeConfig(max_new_tokens=n))
+        assert (out.stats.target_forwards, out.stats.accept_histogram) == (alone.stats.target_forwards,
+                                                                           alone.stats.accept_histogram)
+        accepted += n - out.stats.target_forwards
+    assert accepted > 0  # some steps accepted drafts: the rows' pending counts differed
+    assert len(calls) == 3 * max(out.stats.drafted_steps for out in outs) and calls[0] == len(PROMPTS)
 
 
 def test_bad_batches_are_clear_errors(target):

@@ -140,3 +140,19 @@ def test_a_card_says_when_drafting_pays_at_no_batch_size():
         section = profile_section(profile, engine)
         assert "serve the target without this drafter" in section
         assert "num_speculative_tokens" not in section and "--speculative-adaptive" not in section
+
+
+def test_a_card_for_a_fixed_length_layout_gives_only_where_drafting_stops_paying():
+    """SGLang verifies a block drafter's whole block at every batch size: no per-batch lengths to give."""
+    from selfdraft.heads.cards import profile_section
+    from selfdraft.heads.kinds import get_kind
+
+    assert not get_kind("dflash").writer("sglang").per_batch_lengths and get_kind("eagle3").writer("sglang").per_batch_lengths
+    profile = {"machine": {"cpu": "toy"}, "cost_surface": {"dtype": "float32", "device": "cpu"},
+               "acceptance_by_position": [0.8, 0.6, 0.4],
+               "schedule": [{"batch": 1, "tokens": 3, "speedup": 1.4}, {"batch": 16, "tokens": 0, "speedup": 1.0}],
+               "drafting_off_above_batch": 4, "vllm": {"num_speculative_tokens": 3},
+               "sglang": {"speculative_num_steps": 3, "speculative_adaptive_config": {"1": {"candidate_steps": [3]}}}}
+    section = profile_section(profile, "sglang", per_batch=False)
+    assert "Drafting does not pay above batch size 4" in section and "the same number of tokens at every batch size" in section
+    assert "--speculative-adaptive" not in section and "--speculative-eagle-topk" not in section

@@ -172,8 +172,9 @@ def export(source: str | os.PathLike, fmt: str, out: str | os.PathLike, target: 
         data = json.loads(profile.read_text())
         card = folder / "README.md"
         write_atomic(folder / PROFILE_FILE, json.dumps(data, indent=1))
-        if writer.format == "sglang":
+        if writer.format == "sglang" and writer.per_batch_lengths:
             write_atomic(folder / SGLANG_ADAPTIVE_FILE, json.dumps(sglang_schedule(data)["speculative_adaptive_config"], indent=1))
-        write_atomic(card, (card.read_text() if card.is_file() else "") + profile_section(data, writer.format, str(folder)))
+        write_atomic(card, (card.read_text() if card.is_file() else "") +
+                     profile_section(data, writer.format, str(folder), per_batch=writer.per_batch_lengths))
         message += f"; with its speculation schedule ({PROFILE_FILE})"
     return folder, message

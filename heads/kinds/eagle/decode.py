@@ -15,6 +15,15 @@ forward, tree attention over the cache) and each proposes its top-k children; fi
 ``max_nodes`` best nodes overall form the tree (a child never scores above its parent, so the set is
 closed under ancestors). Tree nodes are cropped from the drafter cache after each proposal.
 
+Batches (:meth:`EagleTreeDrafter.propose_batch`): each row keeps its own cache (rows differ in length),
+and a step's proposals for B rows merge them into one batch cache, padded to the longest row: the
+rows' pending features are fed in one forward (padded to the most pending, the padding masked), then
+the trees grow in lockstep (:func:`~selfdraft.inference.tree.grow_dynamic_trees`), one forward per
+depth for every row, each row feeding its ``top_k`` nodes at its own positions. Cached keys are stored
+rotated, so where the padding sits does not matter as long as the mask hides it. Each row's cache then
+gains only its caught-up entries; the batch cache, with the tree entries, is dropped. A row's tree is
+the one its own :meth:`~EagleTreeDrafter.propose` grows, up to the float rounding of a larger product.
+
 Devices: the drafter is moved to the target's device and dtype (a line on stderr says so when that
 converts anything); the tree grows there (:func:`~selfdraft.inference.tree.grow_dynamic_tree`, masks and
 indices made on the device) and reaches the host in one copy per proposal.
@@ -34,7 +43,7 @@ from selfdraft.heads.kinds.eagle.eagle3 import Eagle3Head
 from selfdraft.heads.small_batch import use_small_batch_matmul
 from selfdraft.inference.drafters import Drafter, Verified, on_target
 from selfdraft.inference.session import StepOutput
-from selfdraft.inference.tree import additive_mask, grow_dynamic_tree
+from selfdraft.inference.tree import additive_mask, grow_dynamic_tree, grow_dynamic_trees
 
 
 @dataclass
@@ -54,7 +63,10 @@ class EagleState:
 
 class EagleTreeDrafter(Drafter):
     """An EAGLE-1 or EAGLE-3 drafter module behind the :class:`Drafter` interface, growing an EAGLE-2
-    dynamic tree of ``tree`` (depth, top-k, node budget)."""
+    dynamic tree of ``tree`` (depth, top-k, node budget); a batch's trees in one drafter forward per
+    depth (module docstring)."""
+
+    batched = True
 
     def __init__(self, drafter: Eagle1Head | Eagle3Head, target_model, tree: TreeConfig = TreeConfig()):
         self.config = tree
@@ -72,6 +84,9 @@ class EagleTreeDrafter(Drafter):
         self.hidden_layers = drafter.target_layers(text.num_hidden_layers)
         self.device, self.dtype = target_model.device, target_model.dtype
         self.draft_ids = self.drafter.token_map()  # (V',) of the copy on the target's device, or None (its vocabulary)
+        # A sliding-window draft layer (a target family's own) drops its oldest entries as it grows: padding
+        # a batch cache would drop real ones, so such a drafter proposes row by row.
+        self.batched = not any(layer.is_sliding for layer in DynamicCache(config=self.drafter.layer_config).layers)
 
     def _features(self, hidden: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Target hidden states (one (m, H) per requested layer) -> drafter input features (m, H)."""
@@ -97,16 +112,22 @@ class EagleTreeDrafter(Drafter):
         return EagleState(cache=DynamicCache(config=self.drafter.layer_config), length=0,
                           pending=self._features(prefill.hidden), out=None)
 
+    def _following(self, state: EagleState, sequence) -> list[int]:
+        """The tokens that follow the state's pending features in ``sequence`` (one per feature)."""
+        m = state.pending.shape[0]
+        tokens = list(sequence[state.length + 1:state.length + 1 + m])
+        if len(tokens) != m:
+            raise SelfdraftError(f"EAGLE state out of step: {m} pending target features but {len(tokens)} tokens "
+                                 "after them; propose() must get the sequence this state observed (start/observe)")
+        return tokens
+
     @torch.inference_mode()
     def _catch_up(self, state: EagleState, sequence) -> EagleState:
         """Feed the pending target features with the tokens that followed them (causal)."""
         m = state.pending.shape[0]
         if m == 0:
             return state
-        tokens = torch.tensor(list(sequence[state.length + 1:state.length + 1 + m]), dtype=torch.long, device=self.device)
-        if tokens.numel() != m:
-            raise SelfdraftError(f"EAGLE state out of step: {m} pending target features but {tokens.numel()} tokens "
-                                 "after them; propose() must get the sequence this state observed (start/observe)")
+        tokens = torch.tensor(self._following(state, sequence), dtype=torch.long, device=self.device)
         positions = torch.arange(state.length, state.length + m, device=self.device)
         mask = None
         if state.length and m > 1:  # causal over the new block, everything cached is visible
@@ -133,6 +154,86 @@ class EagleTreeDrafter(Drafter):
         if extra > 0:  # drop the tree entries: only committed positions stay cached
             state.cache.crop(-extra)
         return tree, state
+
+    @torch.inference_mode()
+    def propose_batch(self, states, sequences):
+        """Every row's tree in one drafter forward per depth, plus one for the rows' pending features
+        (module docstring); each returned state holds its row's committed positions only. A batch of one
+        is :meth:`propose`."""
+        if len(states) == 1 or not self.batched:
+            return super().propose_batch(states, sequences)
+        rows, device = len(states), self.device
+        lengths = [s.length for s in states]
+        counts = [s.pending.shape[0] for s in states]
+        width, most = max(lengths), max(counts)  # W cached columns, M pending positions
+        cache = self._merged(states, width)
+        valid = torch.arange(width, device=device)[None] < torch.tensor(lengths, device=device)[:, None]  # (B, W)
+        if most:
+            valid, outs = self._catch_up_batch(states, sequences, cache, valid)
+        else:
+            outs = [None] * rows
+        roots, caught_up = [], []
+        for b, (state, m, out) in enumerate(zip(states, counts, outs)):
+            if m:  # the row's caught-up keys and values join its own cache: its committed entries only
+                for i, layer in enumerate(cache.layers):
+                    state.cache.update(layer.keys[b:b + 1, :, width:width + m], layer.values[b:b + 1, :, width:width + m], i)
+                state = EagleState(state.cache, state.length + m, state.pending[:0], out)
+            roots.append(state.out)
+            caught_up.append(state)
+        last = torch.stack(roots)[:, None]  # (B, 1, H): the outputs whose predictions the next expanded nodes are
+
+        def expand(tokens, parent_rows, positions, visible):  # (B, k) each, visible (B, k, W + M + S + k)
+            nonlocal last
+            feature = last.gather(1, parent_rows[..., None].expand(-1, -1, last.shape[-1]))  # (B, k, H)
+            last = self.drafter(feature, self.embed(tokens), positions, additive_mask(visible, self.dtype), cache=cache)
+            return self._log_probs(last)  # (B, k, V')
+
+        cfg = self.config
+        past = torch.tensor([s.length for s in caught_up], dtype=torch.long, device=device)
+        trees = grow_dynamic_trees(self._log_probs(last[:, 0]), expand, depth=cfg.depth, top_k=cfg.top_k,
+                                   max_nodes=cfg.max_nodes, past=past, cached=valid, to_target=self._token_ids)
+        return list(zip(trees, caught_up))
+
+    def _merged(self, states: list[EagleState], width: int) -> DynamicCache:
+        """One batch cache over the rows' committed entries: row b's at columns 0..length_b - 1, zeros
+        after them (hidden by the mask), each layer (B, heads, W, head dim)."""
+        cache = DynamicCache(config=self.drafter.layer_config)
+        if width == 0:
+            return cache
+        full = next(s for s in states if s.length == width)
+        for i, layer in enumerate(full.cache.layers):
+            keys = layer.keys.new_zeros(len(states), *layer.keys.shape[1:])  # (B, heads, W, head dim)
+            values = layer.values.new_zeros(len(states), *layer.values.shape[1:])
+            for b, state in enumerate(states):
+                if state.length:
+                    keys[b, :, :state.length] = state.cache.layers[i].keys[0]
+                    values[b, :, :state.length] = state.cache.layers[i].values[0]
+            cache.update(keys, values, i)
+        return cache
+
+    def _catch_up_batch(self, states, sequences, cache: DynamicCache,
+                        valid: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Feed every row's pending features (padded to the most, M) with the tokens that followed them
+        in one forward on the batch cache (valid: (B, W) its committed columns). Returns the columns
+        the tree may see, (B, W + M), and each row's output at its last fed position (None where it fed
+        none)."""
+        rows, device = len(states), self.device
+        counts = [s.pending.shape[0] for s in states]
+        most = max(counts)
+        feature = states[0].pending.new_zeros(rows, most, states[0].pending.shape[-1])  # (B, M, H)
+        tokens = torch.zeros(rows, most, dtype=torch.long)
+        for b, (state, sequence, m) in enumerate(zip(states, sequences, counts)):
+            if m:
+                feature[b, :m] = state.pending
+                tokens[b, :m] = torch.tensor(self._following(state, sequence), dtype=torch.long)
+        step = torch.arange(most, device=device)
+        positions = torch.tensor([s.length for s in states], device=device)[:, None] + step  # (B, M)
+        real = step[None] < torch.tensor(counts, device=device)[:, None]  # (B, M)
+        # Real positions see their row's cache and the block causally; padding sees itself only.
+        block = ((step[None, :] <= step[:, None])[None] & real[:, :, None]) | torch.eye(most, dtype=torch.bool, device=device)
+        visible = torch.cat([valid[:, None, :] & real[:, :, None], block], dim=2)  # (B, M, W + M)
+        out = self.drafter(feature, self.embed(tokens.to(device)), positions, additive_mask(visible, self.dtype), cache=cache)
+        return torch.cat([valid, real], dim=1), [out[b, m - 1] if m else None for b, m in enumerate(counts)]
 
     def observe(self, state: EagleState, verified: Verified) -> EagleState:
         with torch.inference_mode():
