@@ -180,3 +180,31 @@ def test_broken_sglang_exports_do_not_pass_for_ours(tmp_path):
     (tmp_path / "dflash" / "config.json").write_text(json.dumps(config))
     with pytest.raises(EngineLoadError, match="feature dim mismatch"):
         SGLANG.load(tmp_path / "dflash", case.model)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_trained_over_the_whole_vocabulary_exported_by_the_cli_sglang_drafts_what_we_draft(kind, tiny_target, tmp_path):
+    """The path an SGLang user takes: train through the one loop with drafter.block.draft_vocab_size at
+    least the target's vocabulary (the target's own LM head), `selfdraft export --format sglang`; the
+    emulated SGLang drafts our decoder's block (a tied 7-layer Llama with the embedded tokenizer)."""
+    from selfdraft.cli import main
+    from selfdraft.configs.run import load_run_config
+    from selfdraft.heads.io import load_drafter
+    from selfdraft.heads.target import load_target
+    from selfdraft.train.loop import train
+
+    config = load_run_config("smoke_cpu", [
+        f"target.spec={tiny_target}", f"train.output_dir={tmp_path / 'run'}", f"drafter.kind={kind}",
+        "data.max_conversations=16", "data.max_length=64", "train.micro_batch_size=2", "train.max_steps=3",
+        "train.eval_batches=0", "drafter.block.block_size=4", "drafter.block.anchors=8",
+        "drafter.block.draft_vocab_size=1000000", "drafter.block.markov_rank=8"])
+    result = train(config)
+    module, record = load_drafter(result.drafter_dir)
+    assert not module.own_head  # drafts through the target's LM head
+    assert main(["export", str(result.drafter_dir), "--format", "sglang", "--out", str(tmp_path / "sglang")]) == 0
+    target = load_target(str(tiny_target), dtype="float32")
+    loaded = SGLANG.load(tmp_path / "sglang", target.model)
+    assert loaded.ignored == () and loaded.draft_vocab == target.model.config.vocab_size
+    ids = target.tokenizer("The quick brown fox jumps over the lazy dog and", add_special_tokens=True)["input_ids"]
+    case = EMULATORS.Case("tiny", target.model, ids[:6], identity=target.identity)
+    assert _differing(loaded, module.eval(), case) == 0
