@@ -60,6 +60,19 @@ def speculative_config(folder: str | os.PathLike, num_speculative_tokens: int | 
     return {"method": serving["method"], "model": str(folder), "num_speculative_tokens": int(num_speculative_tokens)}
 
 
+def suffix_config(num_speculative_tokens: int | None = None) -> dict[str, Any]:
+    """vLLM's built-in suffix decoding (``method: suffix``, SuffixDecoding through the arctic-inference
+    package, which ``scripts/setup_vllm.sh`` builds for the CPU): a suffix tree over each request's prompt
+    and output, up to ``num_speculative_tokens`` drafts a step (vLLM's default, its tree depth 24, where
+    None). Its tree of earlier requests' outputs is off (``suffix_decoding_max_cached_requests: 0``):
+    a benchmark decodes each prompt once after a warmup on one of them, whose answer that tree would
+    then draft whole; each request copies from itself, as selfdraft's ``copy`` does."""
+    config: dict[str, Any] = {"method": "suffix", "suffix_decoding_max_cached_requests": 0}
+    if num_speculative_tokens is not None:
+        config["num_speculative_tokens"] = int(num_speculative_tokens)
+    return config
+
+
 def vllm_request(target: str | os.PathLike, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  speculative: dict[str, Any] | None = None, temperatures: Sequence[float] | None = None,
                  seeds: Sequence[int | None] | None = None, dtype: str = "float32", max_model_len: int = 2048,

@@ -193,8 +193,9 @@ register(Method("hf-assisted", _build_hf_assisted, "transformers assisted genera
     "tokens": (_positive_int, "num_assistant_tokens"), "schedule": (_schedule, "num_assistant_tokens_schedule"),
     "confidence": (_share, "assistant_confidence_threshold")}, argument="SPEC"))
 register(Method("vllm", _build_vllm, "vLLM itself (its CPU build, in .venv-vllm) with a drafter exported by "
-                "`selfdraft export --format vllm` (a chain of num_speculative_tokens), or vllm:none for plain decoding; "
-                "timed by vLLM per prompt", {"tokens": (_positive_int, "num_speculative_tokens (default: Medusa heads, else 3)"),
+                "`selfdraft export --format vllm` (a chain of num_speculative_tokens), vllm:suffix for its built-in "
+                "suffix decoding, or vllm:none for plain decoding; timed by vLLM per prompt",
+                {"tokens": (_positive_int, "num_speculative_tokens (default: Medusa heads, else 3; suffix: 24)"),
                                              "engine": (_engine, "serve (default: the engine core in a process of its own, "
                                                                  "as `vllm serve` runs it) or inline (one process: starts "
                                                                  "faster; same model code and kernels, for checks)")},

@@ -147,8 +147,11 @@ class VllmRunner:
     """
 
     def __init__(self, target, folder: str | None, num_speculative_tokens: int | None = None, *, in_process: bool = False):
+        """``folder``: an exported drafter, None for plain decoding, or ``"suffix"`` for vLLM's built-in
+        suffix decoding (``method: suffix``; ``num_speculative_tokens`` its most drafts per step, vLLM's
+        default where None)."""
         from selfdraft.heads.target import target_folder
-        from selfdraft.inference.vllm_engine import speculative_config, vllm_python
+        from selfdraft.inference.vllm_engine import speculative_config, suffix_config, vllm_python
 
         if vllm_python() is None:
             from selfdraft.inference.vllm_engine import SETUP_HINT
@@ -160,7 +163,10 @@ class VllmRunner:
         if path is None:
             raise SelfdraftError(f"vLLM needs the target as a model folder; {target.identity.name!r} is a hub name")
         self.target, self.target_path = target, str(path)
-        self.speculative = speculative_config(folder, num_speculative_tokens) if folder else None
+        if folder == "suffix":
+            self.speculative = suffix_config(num_speculative_tokens)
+        else:
+            self.speculative = speculative_config(folder, num_speculative_tokens) if folder else None
         self.dtype = str(target.dtype).removeprefix("torch.")
         self.in_process = in_process  # run_vllm's: the engine core in the worker's own process
         self.results: dict[tuple, Generation] = {}
@@ -191,8 +197,10 @@ class VllmRunner:
                                                     seconds=r["seconds"])
                     continue
                 drafts, accepted = r["drafts"], r["accepted_per_position"]
+                # Each step emits its accepted drafts and one token of its own, the prefill one: a step that
+                # drafted nothing (suffix decoding without a match) counts too.
                 self.results[call] = Generation(
-                    tokens, target_forwards=drafts + 1, accept_histogram=None,
+                    tokens, target_forwards=len(tokens) - r["accepted_tokens"], accept_histogram=None,
                     depth_drafted={d + 1: drafts for d in range(len(accepted))},
                     depth_accepted={d + 1: a for d, a in enumerate(accepted)},
                     draft_seconds=None, seconds=r["seconds"], engine_steps=(drafts, r["accepted_tokens"]))

@@ -68,7 +68,7 @@ def engines(trained_smollm2, target_path, prompts, tmp_path_factory):
     process (vLLM imported once). If vLLM's kernels cannot run on this processor at all, the module is
     skipped with the reason; any other failure is a failure of the tests that use that engine."""
     from selfdraft.errors import SelfdraftError
-    from selfdraft.inference.vllm_engine import run_vllm_engines, speculative_config, vllm_request
+    from selfdraft.inference.vllm_engine import run_vllm_engines, speculative_config, suffix_config, vllm_request
     from selfdraft.train.export import export
 
     root = tmp_path_factory.mktemp("vllm-exports")
@@ -84,6 +84,8 @@ def engines(trained_smollm2, target_path, prompts, tmp_path_factory):
         (folder / "config.json").write_text(json.dumps(config))
         folders[f"speculators-{kind}"] = folder
         requests[f"speculators-{kind}"] = vllm_request(folder, prompts, NEW_TOKENS)  # no speculative config: the folder says it all
+    if has_suffix_decoding():
+        folders["suffix"], requests["suffix"] = None, vllm_request(target_path, prompts, NEW_TOKENS, speculative=suffix_config())
     for kind in BROKEN_KINDS:
         folder, _ = export(trained_smollm2[kind], "vllm", root / f"broken-{kind}")
         (folder / "config.json").write_text(json.dumps(broken(json.loads((folder / "config.json").read_text()), kind)))
@@ -96,6 +98,13 @@ def engines(trained_smollm2, target_path, prompts, tmp_path_factory):
             pytest.skip(f"vLLM's CPU kernels cannot run on this processor: {err}")
         raise
     return {name: (folders[name], result) for name, result in zip(requests, results)}
+
+
+def has_suffix_decoding() -> bool:
+    """Whether vLLM's venv has arctic-inference's suffix tree (scripts/setup_vllm.sh builds it)."""
+    import subprocess
+
+    return subprocess.run([vllm_python(), "-c", "import arctic_inference.suffix_decoding"], capture_output=True).returncode == 0
 
 
 def engine(engines, name) -> dict:
@@ -259,3 +268,14 @@ def test_bench_runs_vllm_beside_our_loop(trained_smollm2, embedded_fp32, engine_
     assert results["meta"]["methods"][f"vllm:{folder}@engine=inline"]["engine_version"] == "vllm 0.32.0"
     report = (tmp_path / "bench" / "report.md").read_text()
     assert "engine tau" in report and f"vllm:{folder}@engine=inline" in report
+
+
+def test_vllm_suffix_decoding_runs_beside_our_loop(engines, plain):
+    """vLLM's built-in suffix decoding (``method: suffix``, the ``vllm:suffix`` bench row), on this CPU with
+    arctic-inference's suffix tree built by scripts/setup_vllm.sh: its greedy output is its plain output,
+    and it drafted."""
+    if "suffix" not in engines:
+        pytest.fail("arctic-inference is missing from vLLM's venv: scripts/setup_vllm.sh builds it (see its output)")
+    result = engine(engines, "suffix")
+    assert [r["token_ids"] for r in result["results"]] == [r["token_ids"] for r in plain["results"]]
+    assert sum(r["drafts"] for r in result["results"]) > 0, "suffix decoding never drafted"
