@@ -197,10 +197,12 @@ class VllmRunner:
                                                     seconds=r["seconds"])
                     continue
                 drafts, accepted = r["drafts"], r["accepted_per_position"]
-                # Each step emits its accepted drafts and one token of its own, the prefill one: a step that
-                # drafted nothing (suffix decoding without a match) counts too.
+                # A drafter drafts at every step: the steps that drafted, and the prefill. Suffix decoding
+                # drafts only where its tree matches; each step emits its accepted drafts and one token of
+                # its own, so tokens - accepted counts the others too (vLLM also counts drafts accepted past
+                # max_tokens, which makes that count the smaller one for a drafter).
                 self.results[call] = Generation(
-                    tokens, target_forwards=len(tokens) - r["accepted_tokens"], accept_histogram=None,
+                    tokens, target_forwards=max(drafts + 1, len(tokens) - r["accepted_tokens"]), accept_histogram=None,
                     depth_drafted={d + 1: drafts for d in range(len(accepted))},
                     depth_accepted={d + 1: a for d, a in enumerate(accepted)},
                     draft_seconds=None, seconds=r["seconds"], engine_steps=(drafts, r["accepted_tokens"]))
