@@ -58,7 +58,6 @@ exports always carry one), gated and RNN Markov heads, sampling.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -66,17 +65,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).parent))  # the emulators' shared pieces, beside this file
+import engine_common as C  # noqa: E402
 
-def _common():
-    key = "selfdraft_tests_engines_engine_common"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).parent / "engine_common.py")
-        sys.modules[key] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[key])
-    return sys.modules[key]
-
-
-C = _common()
 EngineLoadError, EngineUnsupported = C.EngineLoadError, C.EngineUnsupported
 ARCHITECTURES = {"DFlashDraftModel": "dflash", "Qwen3DSparkModel": "dspark"}
 

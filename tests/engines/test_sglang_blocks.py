@@ -18,7 +18,6 @@ vocabulary (which SGLang would draft through the target's head) must not pass fo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -27,20 +26,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-_HERE = Path(__file__).parent
+sys.path.insert(0, str(Path(__file__).parent))  # the emulator, and the EAGLE emulator tests, beside this file
+import sglang_block_emulator as SGLANG  # noqa: E402
+import test_engine_emulators as EMULATORS  # noqa: E402  (the tiny targets and their prompts)
 
-
-def _by_path(name: str):
-    key = f"selfdraft_tests_engines_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, _HERE / f"{name}.py")
-        sys.modules[key] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[key])
-    return sys.modules[key]
-
-
-SGLANG = _by_path("sglang_block_emulator")
-EMULATORS = _by_path("test_engine_emulators")  # the tiny targets and their prompts
 EngineLoadError = SGLANG.EngineLoadError
 BLOCK, REDUCED_VOCAB = 4, 48
 

@@ -95,16 +95,24 @@ def vllm_tensors(drafter: BlockHead) -> dict[str, torch.Tensor]:
     return state
 
 
+def _card_details(drafter: BlockHead, vocabulary: str) -> list[str]:
+    """The layout lines of a block drafter's model card; ``vocabulary``: what it drafts over, as the layout
+    serves it."""
+    d = drafter.dims
+    details = [f"{d.num_layers} Qwen3 draft layer(s) (hidden {d.hidden_size})", f"block of {d.block_size} slots, "
+               f"{d.drafts_per_block} drafted tokens per forward", f"fuses the target's hidden_states {list(d.target_layers)}",
+               f"mask token {d.mask_token_id}", vocabulary]
+    if d.KIND_FIELD == "dspark":
+        details.append(f"Markov head of rank {d.markov_rank}" + (", confidence head" if d.confidence_head else ""))
+    return details
+
+
 def _write_vllm(drafter: BlockHead, ctx: ExportContext) -> tuple[pathlib.Path, str]:
     record, kind = ctx.record, drafter.dims.KIND_FIELD
     d = drafter.dims
     drafts = d.drafts_per_block
     command = vllm_command(ctx.target_path, str(ctx.out), kind, drafts)
-    details = [f"{d.num_layers} Qwen3 draft layer(s) (hidden {d.hidden_size})", f"block of {d.block_size} slots, "
-               f"{drafts} drafted tokens per forward", f"fuses the target's hidden_states {list(d.target_layers)}",
-               f"mask token {d.mask_token_id}", f"draft vocabulary {d.draft_vocab_size} of {d.vocab_size} tokens"]
-    if kind == "dspark":
-        details.append(f"Markov head of rank {d.markov_rank}" + (", confidence head" if d.confidence_head else ""))
+    details = _card_details(drafter, f"draft vocabulary {d.draft_vocab_size} of {d.vocab_size} tokens")
     card = model_card(engine="vllm", engine_name="vLLM", title=TITLES[kind], target=record.target.to_dict(),
                       folder=str(ctx.out), run_config=record.run_config, evaluation=record.evaluation, details=details,
                       command=command, acceptance=ctx.acceptance)
@@ -188,15 +196,11 @@ def _write_sglang(drafter: BlockHead, ctx: ExportContext) -> tuple[pathlib.Path,
     check_sglang(drafter)
     verified = d.block_size + (1 if kind == "dspark" else 0)  # the anchor and the drafts
     command = sglang_block_command(ctx.target_path, str(ctx.out), SGLANG_ALGORITHMS[kind], verified)
-    details = [f"{d.num_layers} Qwen3 draft layer(s) (hidden {d.hidden_size})", f"block of {d.block_size} slots, "
-               f"{d.drafts_per_block} drafted tokens per forward", f"fuses the target's hidden_states {list(d.target_layers)}",
-               f"mask token {d.mask_token_id}",
-               f"draft vocabulary {d.draft_vocab_size} of {d.vocab_size} tokens" if drafter.own_head
-               else "drafts through the target's LM head"]
+    details = _card_details(drafter, f"draft vocabulary {d.draft_vocab_size} of {d.vocab_size} tokens"
+                            if drafter.own_head else "drafts through the target's LM head")
     notes = [f"`--speculative-num-draft-tokens` is the tokens verified per step: the anchor and the "
              f"{d.drafts_per_block} drafts of one block. SGLang serves {TITLES[kind]} on CUDA (or NPU) only.", ""]
     if kind == "dspark":
-        details.append(f"Markov head of rank {d.markov_rank}" + (", confidence head" if d.confidence_head else ""))
         if drafter.own_head:
             notes += [f"The reduced draft vocabulary needs SGLang at or after commit {SGLANG_REDUCED_VOCAB_COMMIT} "
                       "(`draft_vocab_size`, `lm_head`, `d2t`); earlier versions skip `lm_head` and draft through the "
