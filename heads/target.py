@@ -304,14 +304,18 @@ def _materialise_builtin(spec: BuiltinTarget, root: pathlib.Path) -> pathlib.Pat
 
 def _load_folder(folder: pathlib.Path, dtype: torch.dtype, trust_remote_code: bool, model_loader=None,
                  ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from selfdraft.heads.target_layers import attention_backend
 
     if not (folder / "config.json").is_file():
         raise SelfdraftError(f"{folder} is not a model folder: it has no config.json")
     try:
         model = model_loader(folder, dtype, trust_remote_code) if model_loader is not None else None
         if model is None:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype,
+                                                         attn_implementation=attention_backend(config),
                                                          trust_remote_code=trust_remote_code)
         has_tokenizer = any((folder / f).is_file() for f in _TOKENIZER_FILES)
         tokenizer = (AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -323,10 +327,14 @@ def _load_folder(folder: pathlib.Path, dtype: torch.dtype, trust_remote_code: bo
 
 def _load_hub(name: str, dtype: torch.dtype, trust_remote_code: bool,
               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from selfdraft.heads.target_layers import attention_backend
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa",
+        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype,
+                                                     attn_implementation=attention_backend(config),
                                                      trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
@@ -397,7 +405,8 @@ def load_target(spec: str, *, dtype: str | torch.dtype = "auto", device: str = "
     """Load a frozen target from a built-in name, a local HF model folder or a hub name, in ``dtype``
     (``auto``: bfloat16 on a GPU, float32 on a CPU; see :func:`resolve_dtype`).
 
-    The model uses sdpa attention (custom 4D float masks work), is in eval mode, has no parameter
+    The model uses sdpa attention, or eager where its family has no sdpa path (both take the decoder's
+    4D float masks; :func:`~selfdraft.heads.target_layers.attention_backend`), is in eval mode, has no parameter
     requiring grad, and lies on ``device`` in ``dtype``. ``cache_dir`` is the root of the selfdraft
     cache (default ``$SELFDRAFT_CACHE`` or ``~/.cache/selfdraft``). ``model_loader(folder, dtype,
     trust_remote_code)`` builds the model of a folder target in place of transformers' from_pretrained
@@ -433,6 +442,9 @@ def load_target(spec: str, *, dtype: str | torch.dtype = "auto", device: str = "
         model.to(dev)
     if model.dtype != torch_dtype:
         raise SelfdraftError(f"target {spec} loaded as {model.dtype}, not the requested {torch_dtype}")
+    from selfdraft.heads.target_layers import TargetLayers
+
+    TargetLayers.of(model).probe(model)  # a family the decoder cannot serve is refused here, not mid-decode
     if small_batch_kernel is None:
         small_batch_kernel = dev.type == "cpu" and torch_dtype == torch.float32
     small_batch = SmallBatchMatmul.apply(model, reason="tree verification") if small_batch_kernel else None

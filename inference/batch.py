@@ -35,10 +35,10 @@ import time
 from typing import Callable, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from selfdraft.configs.decode import DecodeConfig
 from selfdraft.errors import SelfdraftError
+from selfdraft.heads.target_layers import TargetLayers
 from selfdraft.inference.adaptive import Throttle, cheap_nodes
 from selfdraft.inference.decode import (
     DecodeOutput, DecodeStats, SampleRule, accept, committed_tokens, sampling_generator, tree_buffers, verified,
@@ -55,13 +55,16 @@ class BatchSession:
     def __init__(self, model, hidden_layers: Sequence[int] = ()):
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
-        self.cache = DynamicCache(config=model.config)
+        self.layers = TargetLayers.of(model)
+        self.cache = self.layers.new_cache(model)
         self.device = model.device
         self.mask_dtype = next(model.parameters()).dtype
         self.lengths: list[int] = []
         """Per row: committed tokens, which is also the position id of its next token."""
         self.valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
         """(B, S): the slots that hold a committed token of that row."""
+        self.positions = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        """(B, S): the position id of the token in each slot (meaningful where ``valid``), for windowed masks."""
         self._base = 0  # slots before the last verify
 
     @property
@@ -69,39 +72,50 @@ class BatchSession:
         return len(self.lengths)
 
     @property
+    def trees(self) -> bool:
+        """Whether branching trees can be verified in one forward (False: chains only, heads/target_layers.py)."""
+        return self.layers.trees
+
+    @property
     def slots(self) -> int:
         return self.valid.shape[1]
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, keep_logits):
-        """ids, positions (B, T); visible (B, T, S + T) bool: which slots each fed token may attend to."""
-        mask = torch.zeros(visible.shape[0], 1, *visible.shape[1:], dtype=self.mask_dtype, device=self.device)
-        mask.masked_fill_(~visible[:, None], torch.finfo(self.mask_dtype).min)
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, keep_logits,
+                 padding: torch.Tensor | None = None):
+        """ids, positions (B, T); visible (B, T, S + T) bool: which slots each fed token may attend to;
+        padding (B, T) or None: the real tokens of a left-padded prefill."""
+        keys = torch.cat([self.positions, positions], dim=1) if self.slots else positions  # (B, S + T)
+        mask = self.layers.masks(visible, positions, keys, self.mask_dtype, padding)
         return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True,
                           logits_to_keep=keep_logits, output_hidden_states=bool(self.hidden_layers))
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> list[StepOutput]:
-        """Feed B prompts (padded to the longest) into an empty cache. Per row: logits (1, V) at its last
-        position, hidden states (T_i, D) at every one of its positions."""
+        """Feed B prompts, left-padded to the longest, into an empty cache. Per row: logits (1, V) at its
+        last position, hidden states (T_i, D) at every one of its positions.
+
+        Left padding, so that a recurrent layer's state (heads/target_layers.py) sees zeros before a row's
+        prompt, as at batch 1, and never padding after it; attention sees the padding nowhere."""
         if self.rows:
             raise SelfdraftError("prefill needs an empty BatchSession: make a new one per batch")
         lengths = [len(p) for p in prompts]
         width = max(lengths)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+            ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
         ids = ids.to(self.device)
         slot = torch.arange(width, device=self.device)
-        real = slot[None, :] < torch.tensor(lengths, device=self.device)[:, None]  # (B, T)
+        start = width - torch.tensor(lengths, device=self.device)[:, None]  # (B, 1): each row's first slot
+        real = slot[None, :] >= start  # (B, T)
+        positions = (slot[None, :] - start).clamp(min=0)  # (B, T)
         causal = slot[None, :] <= slot[:, None]  # (T, T): query j sees keys k <= j
         visible = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
-        last = sorted(set(n - 1 for n in lengths))  # the logits kept: each row's last position
-        out = self._forward(ids, slot.expand(len(prompts), width), visible,
-                            torch.tensor(last, dtype=torch.long, device=self.device))
-        column = {n: j for j, n in enumerate(last)}
-        self.lengths, self.valid = lengths, real
-        return [StepOutput(logits=out.logits[i, column[n - 1]][None],
-                           hidden=tuple(out.hidden_states[layer][i, :n] for layer in self.hidden_layers))
+        padded = None if min(lengths) == width else real.to(self.mask_dtype)
+        out = self._forward(ids, positions, visible, 1, padding=padded)
+        self.lengths, self.valid, self.positions = lengths, real, positions
+        self.layers.start_recording(self.cache)
+        return [StepOutput(logits=out.logits[i, -1:],
+                           hidden=tuple(out.hidden_states[layer][i, width - n:] for layer in self.hidden_layers))
                 for i, n in enumerate(lengths)]
 
     @torch.inference_mode()
@@ -109,6 +123,9 @@ class BatchSession:
         """Feed each row's root and tree (padded to the largest, M positions) in one forward. Per row: logits
         (M_i, V) and hidden states (M_i, D) of its own positions. :meth:`commit` keeps the accepted paths."""
         rows, past = self.rows, self.slots
+        if not self.trees and not all(b.is_chain for b in buffers):
+            raise SelfdraftError(f"the {self.layers.family} target has recurrent layers: it verifies chains only "
+                                 "(DraftTree.best_path), not a branching tree")
         sizes = [b.size for b in buffers]
         width = max(sizes)
         host = torch.zeros(2, rows, width, dtype=torch.long)
@@ -126,6 +143,7 @@ class BatchSession:
         out = self._forward(host[0], host[1], torch.cat([cached, new], dim=2), 0)
         self._base = past
         self.valid = torch.cat([self.valid, torch.zeros(rows, width, dtype=torch.bool, device=self.device)], dim=1)
+        self.positions = torch.cat([self.positions, host[1]], dim=1)
         return [StepOutput(logits=out.logits[i, :m], hidden=tuple(out.hidden_states[layer][i, :m]
                                                                   for layer in self.hidden_layers))
                 for i, m in enumerate(sizes)]
@@ -139,15 +157,21 @@ class BatchSession:
             index = torch.tensor([[base + j for j in k] + [base + k[-1]] * (most - len(k)) for k in keeps],
                                  dtype=torch.long, device=self.device)  # (B, K); padding repeats a kept slot
             for layer in self.cache.layers:
-                b, h, _, d = layer.keys.shape
-                where = index[:, None, :, None].expand(b, h, most, d)
-                layer.keys[:, :, base: base + most] = layer.keys.gather(2, where)  # (B, H, S, D)
-                layer.values[:, :, base: base + most] = layer.values.gather(2, where)
-        if self.slots > base + most:  # the kept slots lead the block: cut it to the longest
+                if getattr(layer, "keys", None) is None:  # a layer that shares another's keys
+                    continue
+                for states in (layer.keys, layer.values):  # (B, H, S, D); latent attention: D differs between them
+                    b, h, _, d = states.shape
+                    states[:, :, base: base + most] = states.gather(2, index[:, None, :, None].expand(b, h, most, d))
+        if self.layers.recurrent:  # each row's recurrent state from its own count; attention cut to the longest
+            self.layers.keep_rows(self.cache, self.slots - base, [len(k) for k in keeps])
+        elif self.slots > base + most:  # the kept slots lead the block: cut it to the longest
             self.cache.crop(-(self.slots - base - most))
         counts = torch.tensor([len(k) for k in keeps], device=self.device)
-        kept = torch.arange(most, device=self.device)[None, :] < counts[:, None]
+        column = torch.arange(most, device=self.device)[None, :]
+        kept = column < counts[:, None]
         self.valid = torch.cat([self.valid[:, :base], kept], dim=1)
+        start = torch.tensor(self.lengths, device=self.device)[:, None]
+        self.positions = torch.cat([self.positions[:, :base], start + column], dim=1)
         self.lengths = [n + len(k) for n, k in zip(self.lengths, keeps)]
 
     @torch.inference_mode()
@@ -158,10 +182,12 @@ class BatchSession:
         used = valid.any(dim=0)
         columns = used.nonzero().squeeze(1) if not bool(used.all()) else None
         for layer in self.cache.layers:
-            layer.batch_select_indices(index)
-            if columns is not None:
+            layer.reorder_cache(index)  # index_select over rows, recurrent states too
+            if columns is not None and getattr(layer, "keys", None) is not None:
                 layer.keys, layer.values = layer.keys[:, :, columns], layer.values[:, :, columns]
         self.valid = valid if columns is None else valid[:, columns]
+        positions = self.positions.index_select(0, index)
+        self.positions = positions if columns is None else positions[:, columns]
         self.lengths = [self.lengths[i] for i in rows]
 
 
@@ -394,6 +420,8 @@ def batched_decode(
             if max_context is not None:
                 max_depth = min(max_depth, max_context - 1 - session.lengths[i])
             tree = tree.prune(max_depth=max_depth, max_nodes=tree.num_nodes if budget is None else min(budget, tree.num_nodes))
+            if not session.trees:  # a recurrent target verifies one chain per row
+                tree = tree.best_path()
             trees.append(tree)
             buffers.append(tree_buffers(tree))
 

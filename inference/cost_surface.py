@@ -124,10 +124,13 @@ def measure_cost_surface(target, batch_sizes, tokens, *, context: int = COST_CON
     """Time the target's forward over B rows x m new tokens after ``context`` cached tokens per row, for
     every B in ``batch_sizes`` and m in ``tokens`` (median of ``reps`` after one warm-up; random ids)."""
     import torch
-    from transformers import DynamicCache
+
+    from selfdraft.heads.target_layers import TargetLayers
 
     model = target.model
     text = model.config.get_text_config()
+    layers = TargetLayers.of(model)  # the decoder's cache, masks and rollback for this family (any layer kinds)
+    mask_dtype = next(model.parameters()).dtype
     batch_sizes, tokens = tuple(sorted(set(batch_sizes))), tuple(sorted(set(tokens)))
     CostSurface(batch_sizes, tokens, tuple((0.0,) * len(tokens) for _ in batch_sizes), "", "", "", 0, {})  # checks the grid
     check_batch_fits(model, batch_sizes[-1], context + tokens[-1])
@@ -136,18 +139,24 @@ def measure_cost_surface(target, batch_sizes, tokens, *, context: int = COST_CON
     seconds = []
     with torch.inference_mode():
         for b in batch_sizes:
-            cache = DynamicCache(config=model.config)
+            cache = layers.new_cache(model)
             ids = torch.randint(text.vocab_size, (b, context), generator=gen).to(model.device)
             model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            layers.start_recording(cache)  # recurrent layers: so that crop() rolls them back
             row = []
             for m in tokens:
                 positions = torch.arange(context, context + m, device=model.device).expand(b, m)
+                # The masks a batched verify of a chain feeds (inference/batch.py): every cached token visible,
+                # causal among the new ones; sliding and chunked layers get their windows.
+                keys = torch.arange(context + m, device=model.device).expand(b, context + m)
+                visible = keys[:, None, :] <= positions[:, :, None]  # (b, m, context + m)
+                mask = layers.masks(visible, positions, keys, mask_dtype)
                 samples = []
                 for _ in range(reps + 1):
                     new = torch.tensor([[rng.randrange(text.vocab_size) for _ in range(m)] for _ in range(b)],
                                        device=model.device)
                     start = time.perf_counter()
-                    out = model(input_ids=new, position_ids=positions, cache=cache, use_cache=True)
+                    out = model(input_ids=new, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True)
                     float(out.logits[-1, -1, 0])  # wait for the device
                     samples.append(time.perf_counter() - start)
                     cache.crop(-m)  # back to the context (transformers: a negative count drops tokens)

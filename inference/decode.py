@@ -146,6 +146,8 @@ def speculative_decode(
         tree = tree.prune(max_depth=max_depth, max_nodes=tree.num_nodes if probe is None else probe)
         if schedule is not None:  # what is worth verifying of what can still be emitted
             tree = schedule.cut(tree)
+        if not session.trees:  # a recurrent target verifies one chain (heads/target_layers.py)
+            tree = tree.best_path()
         buffers = tree_buffers(tree)
 
         out = session.verify(sequence[-1], tree, buffers)

@@ -164,7 +164,7 @@ class DraftModelDrafter(Drafter):
         self.model = model
         self.config = tree
         self.max_nodes = tree.max_nodes
-        self.vocab_size = target_vocab_size or model.config.vocab_size
+        self.vocab_size = target_vocab_size or model.config.get_text_config(decoder=True).vocab_size
 
     @classmethod
     def for_target(cls, draft, target, tree: TreeConfig = DRAFT_MODEL_TREE) -> "DraftModelDrafter":
@@ -199,7 +199,8 @@ class DraftModelDrafter(Drafter):
         def expand(tokens, rows, positions, visible):
             return self._log_probs(session.feed_tree_nodes(tokens, positions, visible).logits)
 
-        tree = grow_dynamic_tree(self._log_probs(out.logits[-1:])[0], expand, depth=cfg.depth, top_k=cfg.top_k,
+        top_k = cfg.top_k if session.trees else 1  # a recurrent draft model drafts a chain
+        tree = grow_dynamic_tree(self._log_probs(out.logits[-1:])[0], expand, depth=cfg.depth, top_k=top_k,
                                  max_nodes=cfg.max_nodes, past=base)
         session.crop(base)
         return tree, session

@@ -1,12 +1,16 @@
-"""The one module that touches a transformers causal LM during decoding.
+"""The one module that feeds a transformers causal LM during decoding at batch 1 (inference/batch.py
+feeds a batch).
 
 A :class:`CausalLMSession` is the per-sequence state of one model (target or draft model): its
-``DynamicCache`` and how many tokens it holds. It feeds tokens (plain, or a tree with a 4D float
-mask and explicit position ids), and compacts the cache to an accepted path. It is created by the
-decoding loop for one generation and passed around; nothing is stored on the model.
+cache and how many tokens it holds. It feeds tokens (plain, or a tree with 4D float masks and
+explicit position ids), and compacts the cache to an accepted path. It is created by the decoding
+loop for one generation and passed around; nothing is stored on the model. The cache, the masks per
+layer kind and the rollback of recurrent layers come from the target's
+:class:`~selfdraft.heads.target_layers.TargetLayers`.
 
-Only the public API is used: ``cache=``, ``DynamicCache.crop``, ``cache.layers[i].keys/values``,
-``position_ids``, a 4D additive mask, ``logits_to_keep`` and ``output_hidden_states``.
+Only the public API is used: ``cache=``, ``Cache.crop``, ``Cache.activate_past_recording``,
+``cache.layers[i].keys/values``, ``position_ids``, 4D additive masks, ``logits_to_keep`` and
+``output_hidden_states``.
 
 Every tensor it feeds is made on the model's device (``device=`` at creation): ids and positions from
 host lists in one copy, the tree mask there from the (M, M) ancestor pattern, the compaction index
@@ -19,10 +23,10 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.inference.tree import DraftTree, TreeBuffers, additive_mask, tree_attention_mask
+from selfdraft.heads.target_layers import RECURRENT_HISTORY, TargetLayers
+from selfdraft.inference.tree import DraftTree, TreeBuffers
 
 
 @dataclass
@@ -43,6 +47,8 @@ class TargetSession(Protocol):
     """What the decoding loop needs from the target (a stub implements it in the tests)."""
 
     length: int
+    trees: bool
+    """Whether a branching tree can be verified in one forward (False: the loop sends chains only)."""
 
     def prefill(self, input_ids: Sequence[int]) -> StepOutput: ...
 
@@ -53,19 +59,41 @@ class TargetSession(Protocol):
 
 
 class CausalLMSession:
-    """Cache state of one sequence (batch 1) of a transformers causal LM."""
+    """Cache state of one sequence (batch 1) of a transformers causal LM.
+
+    The target's layer kinds (:class:`~selfdraft.heads.target_layers.TargetLayers`) decide the cache and
+    the masks: a target with only full attention feeds chains with no mask (the model's own causal
+    one); windows get explicit masks on every forward; recurrent layers verify chains only
+    (``trees`` is False) and roll back through recorded states.
+    """
 
     def __init__(self, model, hidden_layers: Sequence[int] = ()):
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
-        self.cache = DynamicCache(config=model.config)
+        self.layers = TargetLayers.of(model)
+        self.cache = self.layers.new_cache(model)
         self.length = 0  # tokens whose key/values are in the cache
         self._tree_base = 0  # cache length before the last verify
         self.device = model.device
         self.mask_dtype = next(model.parameters()).dtype
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None, keep_logits: int):
-        """ids (T,), positions (T,) or None, mask (1, 1, T, S) or None: all on the model's device."""
+    @property
+    def trees(self) -> bool:
+        """Whether a branching tree can be verified in one forward (False: chains only)."""
+        return self.layers.trees
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor | None, visible: torch.Tensor | None, keep_logits: int):
+        """ids (T,), positions (T,) or None (the next T positions), visible (T, length + T) bool or None
+        (plain causal attention): all on the model's device."""
+        mask = None
+        if visible is not None or self.layers.windowed:
+            t = ids.numel()
+            if positions is None:
+                positions = torch.arange(self.length, self.length + t, device=self.device)
+            keys = torch.arange(self.length + t, device=self.device)  # one row: slot i holds position i
+            if visible is None:
+                visible = keys[None, :] <= positions[:, None]
+            mask = self.layers.masks(visible[None], positions[None], keys[None], self.mask_dtype)
         out = self.model(
             input_ids=ids[None],
             position_ids=None if positions is None else positions[None],
@@ -88,6 +116,7 @@ class CausalLMSession:
         ids = torch.tensor(list(input_ids), dtype=torch.long, device=self.device)
         out = self._forward(ids, None, None, keep_logits=1)
         self.length = ids.numel()
+        self.layers.start_recording(self.cache)
         return out
 
     @torch.inference_mode()
@@ -107,9 +136,15 @@ class CausalLMSession:
         """
         ids_positions = torch.tensor([[int(root), *tree.token_ids], [self.length + d for d in buffers.depths]],
                                      dtype=torch.long, device=self.device)  # (2, M)
-        # A chain (including the bare root) is ordinary causal attention: let the model build its mask.
-        mask = None if buffers.is_chain else tree_attention_mask(buffers.ancestors, self.length, self.mask_dtype, self.device)
-        out = self._forward(ids_positions[0], ids_positions[1], mask, keep_logits=0)
+        # A chain (including the bare root) is ordinary causal attention.
+        visible = None
+        if not buffers.is_chain:
+            if not self.trees:
+                raise SelfdraftError(f"the {self.layers.family} target has recurrent layers: it verifies chains only "
+                                     "(DraftTree.best_path), not a branching tree")
+            ancestors = buffers.ancestors.to(self.device)
+            visible = torch.cat([ancestors.new_ones(ancestors.shape[0], self.length), ancestors], dim=1)
+        out = self._forward(ids_positions[0], ids_positions[1], visible, keep_logits=0)
         self._tree_base = self.length
         self.length += buffers.size
         return out
@@ -118,7 +153,7 @@ class CausalLMSession:
     def feed_tree_nodes(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> StepOutput:
         """Append nodes of a growing tree: tokens (m,), positions (m,), visible (m, length + m) bool (all on
         the model's device): which cached or new positions each new token may attend to. Logits (m, V)."""
-        out = self._forward(tokens, positions, additive_mask(visible, self.mask_dtype), keep_logits=0)
+        out = self._forward(tokens, positions, visible, keep_logits=0)
         self.length += tokens.numel()
         return out
 
@@ -134,13 +169,20 @@ class CausalLMSession:
             src = torch.tensor([base + i for i in keep], dtype=torch.long, device=self.device)
             dst = slice(base, base + len(keep))
             for layer in self.cache.layers:
+                if getattr(layer, "keys", None) is None:  # a recurrent or KV-sharing layer (chains only reach here)
+                    continue
                 layer.keys[..., dst, :] = layer.keys[..., src, :]  # (B, H, S, D)
                 layer.values[..., dst, :] = layer.values[..., src, :]
         self.crop(base + len(keep))
 
     @torch.inference_mode()
     def crop(self, new_length: int) -> None:
-        """Drop cached tokens beyond the first ``new_length``."""
-        if self.length > new_length:
-            self.cache.crop(-(self.length - new_length))
+        """Drop cached tokens beyond the first ``new_length``. A recurrent target is cropped even by 0: its
+        crop also drops the states recorded since the last one (transformers' ``Cache.crop``)."""
+        drop = self.length - new_length
+        if drop > 0 or (self.layers.recurrent and drop == 0):
+            if self.layers.recurrent and drop > RECURRENT_HISTORY:
+                raise SelfdraftError(f"cannot roll the {self.layers.family} target back by {drop} tokens: its recurrent "
+                                     f"layers record the last {RECURRENT_HISTORY} states")
+            self.cache.crop(-drop)
         self.length = new_length

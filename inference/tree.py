@@ -152,6 +152,22 @@ class DraftTree:
             return self
         return self.subtree(idx)
 
+    def best_path(self) -> "DraftTree":
+        """The tree cut to one root-to-leaf chain (for targets that verify chains only): from the root,
+        the child of highest value at each depth where nodes carry values, else the first child."""
+        if self.num_nodes == 0:
+            return self
+        parents, values = self.parent_ids, self.values
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(parents):
+            children.setdefault(p, []).append(i)
+        keep, node = [], -1
+        while node in children:
+            kids = children[node]
+            node = kids[0] if values is None else max(kids, key=lambda i: float(values[i]))
+            keep.append(node)
+        return self if len(keep) == self.num_nodes else self.subtree(keep)
+
     def subtree(self, keep: Sequence[int]) -> "DraftTree":
         """The nodes ``keep`` (ascending indices, each node's parent kept with it), renumbered, values kept."""
         remap = {old: new for new, old in enumerate(keep)}

@@ -106,6 +106,8 @@ class TableSession:
     the position's ancestor path; commit() checks that ``keep`` is a root-first path in the tree.
     """
 
+    trees = True
+
     def __init__(self, logits: PrefixLogits):
         self.logits = logits
         self.committed: tuple[int, ...] = ()
@@ -358,12 +360,13 @@ def _check(law, label: str, samples: Samples, probs: np.ndarray, elapsed: float)
     return pvalue, tv
 
 
-def _assert_exercised(samples: Samples, label: str) -> None:
-    """The runs must accept depth-2 nodes and reject depth-1 ones often, or the test proves little."""
+def _assert_exercised(samples: Samples, label: str, share: float = 0.05) -> None:
+    """The runs must accept depth-2 nodes and reject depth-1 ones often (in ``share`` of the runs), or the
+    test proves little."""
     n = int(samples.counts.sum())
-    assert samples.accepted[2] > 0.05 * n, f"{label}: depth 2 accepted only {samples.accepted[2]} times in {n} runs"
+    assert samples.accepted[2] > share * n, f"{label}: depth 2 accepted only {samples.accepted[2]} times in {n} runs"
     rejected = samples.drafted[1] - samples.accepted[1]
-    assert rejected > 0.05 * n, f"{label}: depth 1 rejected only {rejected} times in {n} runs"
+    assert rejected > share * n, f"{label}: depth 1 rejected only {rejected} times in {n} runs"
 
 
 STUB_CASES = [
@@ -680,3 +683,79 @@ def test_block_drafter_session_has_target_distribution(kind, top_k, target_model
             f"the schedule cut {cut} of {steps} blocks, to lengths {sorted(lengths)}: the test proves little about cut blocks"
         if top_k > 1:
             assert schedule.branching[True] > 0.1 * steps, f"verified trees by whether they branch: {dict(schedule.branching)}"
+
+
+# --- other layer kinds: a sliding window shorter than the text, and recurrent layers -----------------
+
+def tiny_family(family: str, seed: int, perturb: tuple[int, float] | None = None):
+    """A tiny target of vocabulary 8 with other layer kinds than Llama's (heads/target_layers.py):
+    ``mistral-window-3``, Mistral whose sliding window (3) is shorter than prompt + answer (7), and
+    ``qwen3_next``, gated linear attention (a recurrent state) beside a full-attention layer. Built as
+    ``tiny_llama`` is (large init, doubled LM head); ``perturb=(seed, scale)`` adds scale x another
+    init to every non-norm weight, for a draft model close to it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, head_dim=8, max_position_embeddings=64, initializer_range=0.2,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    kinds = {
+        "mistral-window-3": ("mistral", dict(sliding_window=3)),
+        "qwen3_next": ("qwen3_next", dict(layer_types=["linear_attention", "full_attention"], num_experts=4,
+                                          num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                          linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                                          linear_value_head_dim=8)),
+    }
+    model_type, extra = kinds[family]
+    config = AutoConfig.for_model(model_type, **common, **extra)
+
+    def build(s):
+        torch.manual_seed(s)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        with torch.no_grad():
+            model.lm_head.weight.mul_(2.0)
+        return model
+
+    model = build(seed)
+    if perturb is not None:
+        other = build(perturb[0])
+        with torch.no_grad():
+            for (name, fresh), (_, base) in zip(other.named_parameters(), model.named_parameters()):
+                fresh.copy_(base if "norm" in name else base + perturb[1] * fresh)
+        model = other
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mistral-window-3", "qwen3_next"])
+def test_other_layer_kinds_keep_the_target_distribution(family, law, test_device):
+    """The real sessions on a window shorter than the text (the tree's mask applies it) and on a recurrent
+    target (chains only, states rolled back through transformers' recorded history): batch 1, and rows of
+    two prompts of different lengths in one BatchSession (left padding before a recurrent state; each row
+    rolled back by its own count). The law is the model's own full forward, windows and states included."""
+    from selfdraft.inference.batch import BatchSession, batched_decode
+
+    model = tiny_family(family, 0).to(test_device)
+    target = PrefixLogits(model)
+    drafter = TopTwoTreeDrafter(PrefixLogits(tiny_family(family, 0, perturb=(1, 0.1)).to(test_device)))
+    sampling = Sampling(1.0)
+    laws = {p: law.exact_logits(target.host, VOCAB, p, NEW_TOKENS, sampling) for p in (PROMPT, OTHER_PROMPT)}
+    start = time.perf_counter()
+    samples = sample_counts(lambda: CausalLMSession(model), drafter, sampling, 3_000, seed0=5 * 10**6)
+    pvalue, tv = _check(law, f"{family} CausalLMSession {sampling}", samples, laws[PROMPT], time.perf_counter() - start)
+    assert pvalue > ALPHA, f"{family}, batch 1: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f})"
+    _assert_exercised(samples, f"{family} batch 1", share=0.03)  # a recurrent target verifies the tree's first path
+
+    prompts, batches = [PROMPT, OTHER_PROMPT], 1_500
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS, temperature=sampling.temperature, stop_on_eos=False)
+    rows = [Samples(np.zeros(VOCAB**NEW_TOKENS, dtype=np.int64), Counter(), Counter()) for _ in prompts]
+    start = time.perf_counter()
+    for b in range(batches):
+        outs = batched_decode(BatchSession(model), prompts, drafter, config, seeds=[6 * 10**6 + 2 * b + i for i in range(2)])
+        for samples, out in zip(rows, outs):
+            samples.counts[np.ravel_multi_index(tuple(out.token_ids), (VOCAB,) * NEW_TOKENS)] += 1
+            samples.drafted.update(out.stats.depth_drafted)
+            samples.accepted.update(out.stats.depth_accepted)
+    for prompt, samples in zip(prompts, rows):
+        pvalue, tv = _check(law, f"{family} batch rows of {prompt}", samples, laws[prompt], time.perf_counter() - start)
+        assert pvalue > ALPHA, f"{family}, batched rows of {prompt}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f})"
+        _assert_exercised(samples, f"{family} batch rows of {prompt}", share=0.03)

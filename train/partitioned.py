@@ -31,12 +31,15 @@ def load_partitioned(folder: pathlib.Path, dtype: torch.dtype, trust_remote_code
     from transformers.integrations import deepspeed_config, is_deepspeed_zero3_enabled
     from transformers.initialization import no_init_weights
 
+    from selfdraft.heads.target_layers import attention_backend
+
     files = sorted(folder.glob("*.safetensors"))
     if not is_deepspeed_zero3_enabled() or not files:
         return None
     import deepspeed
 
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, attn_implementation="sdpa")
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    config._attn_implementation = attention_backend(config)  # as load_target chooses it
     config.dtype = dtype
     # Made partitioned (deepspeed.zero.Init, with the run's DeepSpeed config as transformers passes it:
     # each weight is partitioned as soon as its module exists) and left uninitialised: the files fill
