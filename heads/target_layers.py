@@ -116,7 +116,11 @@ class TargetLayers:
                 f"the {family} target was loaded with attn_implementation={backend!r}, which takes no custom 4D mask; "
                 f"tree verification needs one of {', '.join(MASKED_BACKENDS)}: load it with attn_implementation='sdpa' "
                 "(or 'eager' where the family has no sdpa path)")
-        cache_types, kwargs = get_layer_types_and_kwargs(text)
+        try:
+            cache_types, kwargs = get_layer_types_and_kwargs(text)
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
+            raise SelfdraftError(f"{family}: transformers cannot lay out a cache for this config ({type(err).__name__}: "
+                                 f"{err}); this family is not supported") from err
         named = getattr(text, "layer_types", None)
         mask_types = list(named) if named is not None else list(cache_types)
         by_type: dict[str, tuple[str, int]] = {}
@@ -174,12 +178,14 @@ class TargetLayers:
         problem = None
         try:
             with torch.inference_mode():
-                reference = model(input_ids=text[None], use_cache=False).logits[0].float()  # (n, V)
+                # Logits of the last n - p + 1 positions only (p - 1 .. n - 1): a large vocabulary makes the rest costly.
+                kept = n - p + 1
+                reference = model(input_ids=text[None], use_cache=False, logits_to_keep=kept).logits[0].float()  # (kept, V)
                 cache = self.new_cache(model)
                 scale = float(reference.abs().max()) + 1.0
                 tolerance = (1e-3 if dtype == torch.float32 else 5e-2) * scale
 
-                def feed(ids, positions, visible):
+                def feed(ids, positions, visible, keep=0):
                     past = cache_length[0]
                     keys = torch.arange(past + ids.numel(), device=device)
                     if visible is None:
@@ -187,7 +193,7 @@ class TargetLayers:
                     mask = self.masks(visible[None], positions[None], keys[None], dtype)
                     cache_length[0] += ids.numel()
                     return model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, cache=cache,
-                                 use_cache=True).logits[0].float()
+                                 use_cache=True, logits_to_keep=keep).logits[0].float()
 
                 def compare(got, want, what):
                     worst = float((got - want).abs().max())
@@ -196,7 +202,7 @@ class TargetLayers:
                     return None
 
                 cache_length = [0]
-                problem = compare(feed(text[:p], arange[:p], None)[-1], reference[p - 1], "the prompt")
+                problem = compare(feed(text[:p], arange[:p], None, keep=1)[-1], reference[0], "the prompt")
                 # The root (position p) and a chain of 4 drafts (p + 1 .. p + 4); with trees, a wrong sibling of
                 # the first draft fed right after the root.
                 root, chain = text[p:p + 1], text[p + 1:p + 5]
@@ -211,9 +217,10 @@ class TargetLayers:
                 self.start_recording(cache)
                 logits = feed(tokens, positions, visible)
                 path = [0, *range(m - 4, m)]  # the root and the chain
-                problem = problem or compare(logits[path], reference[p:p + 5], "a draft tree")
+                problem = problem or compare(logits[path], reference[1:6], "a draft tree")
                 if self.trees:
-                    alone = model(input_ids=torch.cat([text[:p + 1], wrong])[None], use_cache=False).logits[0, -1].float()
+                    alone = model(input_ids=torch.cat([text[:p + 1], wrong])[None], use_cache=False,
+                                  logits_to_keep=1).logits[0, -1].float()
                     problem = problem or compare(logits[1], alone, "a draft's sibling")
                     for layer in cache.layers:  # keep the root and two drafts: move them forward, as a commit does
                         if getattr(layer, "keys", None) is not None and layer.keys.shape[-2] == p + m:
@@ -221,7 +228,7 @@ class TargetLayers:
                                 states[..., p + 1:p + 3, :] = states[..., p + 2:p + 4, :].clone()
                 cache.crop(-(m - 3))  # keep the root and two drafts
                 cache_length[0] = p + 3
-                problem = problem or compare(feed(text[p + 3:n], arange[p + 3:n], None), reference[p + 3:n],
+                problem = problem or compare(feed(text[p + 3:n], arange[p + 3:n], None), reference[4:],
                                              "after a rollback")
         except Exception as err:  # whatever a forward raised, a family that fails here is not one to decode with
             problem = f"a verify forward failed ({type(err).__name__}: {' '.join(str(err).split())[:200]})"

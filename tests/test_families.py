@@ -143,14 +143,20 @@ def main(argv: list[str]) -> int:
             row = {"family": model_type, "kinds": "-", "verifies": "-", "status": f"error: {families._one_line(err)}"}
         rows.append(row)
         print(f"{model_type:28s} {row['verifies']:6s} {time.perf_counter() - start:5.1f}s {row['status'][:150]}", flush=True)
-    text = table(rows)
-    if write is not None:
-        page = write.read_text()
-        begin, end = "<!-- family table: begin -->", "<!-- family table: end -->"
-        head, rest = page.split(begin)
-        write.write_text(head + begin + "\n" + text + "\n" + end + rest.split(end)[1])
-    else:
-        print(text)
+    if write is None:
+        print(table(rows))
+        return 0
+    page = write.read_text()
+    begin, end = "<!-- family table: begin -->", "<!-- family table: end -->"
+    head, rest = page.split(begin)
+    old, tail = rest.split(end)
+    kept = {}  # rows of families not checked this time stay as they were
+    for line in old.strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        kept[cells[0]] = dict(zip(("family", "kinds", "backend", "verifies", "status"), cells))
+    kept.update({r["family"]: r for r in rows})
+    ordered = [kept[f] for f in sorted(kept)]
+    write.write_text(head + begin + "\n" + table(ordered) + "\n" + end + tail)
     return 0
 
 
