@@ -374,8 +374,8 @@ def _add_quickstart(sub) -> None:
 
     d = QuickstartConfig()
     p = sub.add_parser("quickstart", help="the main job on the embedded default: train a drafter, bench it, export it",
-                       description="Train the best drafter we have for the embedded SmolLM2-135M-Instruct within a time "
-                       "budget, benchmark it against the vanilla loop, prompt lookup and transformers' decoding, and "
+                       description="Train the best drafter we have for the embedded SmolLM2-135M-Instruct (or --target) "
+                       "within a time budget, benchmark it against the vanilla loop, prompt lookup and transformers' decoding, and "
                        "export it for vLLM and SGLang (model cards with the measured acceptance length). Offline; on a "
                        "CPU or a GPU (--device). Each stage is recorded in OUT/stages.json; rerun to resume or to reuse "
                        "finished stages.")
@@ -385,6 +385,8 @@ def _add_quickstart(sub) -> None:
     p.add_argument("--budget-minutes", type=float, default=d.budget_minutes,
                    help="training time in minutes (default: %(default)s); loading, evaluation and the bench come on top")
     p.add_argument("--config", default=d.config, help="the run preset or YAML to train (default: %(default)s)")
+    p.add_argument("--target", default=None, help="the target to train for and bench on: built-in name, local HF folder "
+                   "or hub name (sets the run config's target.spec; default: the preset's)")
     p.add_argument("--bench-limit", type=_positive_int, default=d.bench_limit, help="prompts per bench task (default: %(default)s)")
     p.add_argument("--bench-tasks", default=d.bench_tasks, help="bench tasks (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens, help="bench tokens per prompt (default: %(default)s)")
@@ -398,8 +400,9 @@ def _run_quickstart(args) -> int:
     from selfdraft.quickstart import QuickstartConfig, quickstart
 
     qc = QuickstartConfig(out=args.out, budget_minutes=args.budget_minutes, config=args.config,
-                          overrides=tuple(args.overrides), bench_tasks=args.bench_tasks, bench_limit=args.bench_limit,
-                          max_new_tokens=args.max_new_tokens, threads=args.threads, device=args.device)
+                          overrides=tuple(args.overrides), target=args.target, bench_tasks=args.bench_tasks,
+                          bench_limit=args.bench_limit, max_new_tokens=args.max_new_tokens, threads=args.threads,
+                          device=args.device)
     results = quickstart(qc)
     print(render_tables(results))
     print(f"\nreport: {os.path.join(args.out, 'bench', 'report.md')} (results.json and plots next to it)")

@@ -24,8 +24,14 @@ Stages, each recorded in ``OUT/stages.json`` when it finishes and skipped when t
    configuration measured on this machine with the command that decodes with it.
 3. **export** it in every engine layout its kind has (``OUT/export-vllm``, ``OUT/export-sglang``;
    SGLang serves DFlash only through the target's own LM head, so a DFlash drafter with a reduced draft
-   vocabulary gets no SGLang folder, which the stage says), each with a README.md model card holding the
-   measured acceptance length and its serving command, next to the native one.
+   vocabulary gets no SGLang folder, and vLLM captures the target's hidden states only from some
+   families (heads/vllm_targets.py), so a ``--target`` of another family gets no vLLM folder: the stage
+   says why), each with a README.md model card holding the measured acceptance length and its serving
+   command, next to the native one.
+
+``--target`` (:attr:`QuickstartConfig.target`) trains for, benches and exports for another target than
+the preset's: any family the decoder serves (docs/families.md); one it refuses stops the run at its
+first load with the reason.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ class QuickstartConfig:
     config: str = "quickstart"
     """The run preset or YAML file to train."""
     overrides: tuple[str, ...] = ()
+    target: str | None = None
+    """The target to train for and bench on (a built-in name, a local HF folder or a hub name): sets the run
+    config's ``target.spec``, as ``--target`` does for ``selfdraft bench``; None: the preset's."""
     calibration_steps: int = 10
     """Online steps timed (in a run of their own, then discarded; their median after the first) before
     the budget is planned."""
@@ -308,12 +317,18 @@ def quickstart(qc: QuickstartConfig) -> dict:
     device = _device(qc.device)
     out = pathlib.Path(qc.out)
     run_dir = out / "run"
-    overrides = [*qc.overrides, f"train.output_dir={run_dir}"]
+    if qc.target and any(o.split("=", 1)[0].strip() == "target.spec" for o in qc.overrides):
+        raise SelfdraftError("the target is given twice (--target and a target.spec= override): give it once")
+    chosen = [f"target.spec={qc.target}"] if qc.target else []
+    overrides = [*chosen, *qc.overrides, f"train.output_dir={run_dir}"]
     config = load_run_config(qc.config, overrides)
     if qc.calibration_steps < 1:
         raise SelfdraftError(f"calibration_steps must be >= 1, got {qc.calibration_steps}")
     out.mkdir(parents=True, exist_ok=True)
-    stages = _Stages(out, {"config": qc.config, "overrides": list(qc.overrides), "budget_minutes": qc.budget_minutes})
+    key = {"config": qc.config, "overrides": list(qc.overrides), "budget_minutes": qc.budget_minutes}
+    if qc.target:  # absent otherwise: folders of earlier quickstarts keep their key
+        key["target"] = qc.target
+    stages = _Stages(out, key)
     began = time.perf_counter()
 
     # 1. train
@@ -356,10 +371,8 @@ def quickstart(qc: QuickstartConfig) -> dict:
                 continue
             try:
                 folder, message = export(drafter, fmt, out / f"export-{fmt}", acceptance=acceptance)
-            except SelfdraftError as e:  # a layout this drafter cannot take (refused before anything is written)
-                if fmt == EXPORT_FORMATS[0]:
-                    raise
-                _say(f"export: no {fmt} folder: {e}")
+            except SelfdraftError as e:  # a layout this drafter or its target's family cannot take (refused before
+                _say(f"export: no {fmt} folder: {e}")  # anything is written), e.g. a target vLLM does not capture
                 continue
             folders[fmt] = str(folder)
             _say(f"export: {message}")

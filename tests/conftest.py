@@ -103,6 +103,39 @@ def tiny_target(smollm2_tokenizer, tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="session")
+def family_folder(smollm2_tokenizer, tmp_path_factory):
+    """``family_folder(model_type, num_layers=None)``: a tiny random model of any transformers causal-LM
+    family (tests/families.py, windows of 16 tokens) over SmolLM2's vocabulary, saved as an HF folder with
+    SmolLM2's tokenizer; built once per session and arguments. Saving the tokenizer into another family's
+    folder may change how it tokenizes when loaded from there: compare against references made from the
+    same folder."""
+    import pathlib
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import families
+
+    built = {}
+
+    def make(model_type: str, num_layers: int | None = None) -> pathlib.Path:
+        key = (model_type, num_layers)
+        if key not in built:
+            config = families.tiny_config(model_type, vocab_size=len(smollm2_tokenizer), window=16, num_layers=num_layers)
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            folder = tmp_path_factory.mktemp(f"{model_type}-{num_layers or 'default'}")
+            model.save_pretrained(folder)
+            smollm2_tokenizer.save_pretrained(folder)
+            built[key] = folder
+        return built[key]
+
+    return make
+
+
 # --- the statistical harness -----------------------------------------------------------------------
 
 def goodness_of_fit(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float, int]:

@@ -101,10 +101,11 @@ def target_features(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     * ``per_conversation`` (the default on a CPU): each conversation of a row runs alone, as unpacked,
       and its features are the same bits. On a CPU attention is dense whatever the mask, so a row of
       several conversations would pay attention across all of them only to mask it away.
-    * else (the default on a GPU): one forward over all rows, in which transformers keeps attention
-      within each conversation (it reads the restarts from ``position_ids`` when no attention mask is
-      given: ``masking_utils.find_packed_sequence_indices``; a row's trailing padding is a block of
-      its own); features equal the conversation's own forward's to float rounding.
+    * else (the default on a GPU): one forward over all rows, whose masks (:func:`packed_masks`, the
+      decoder's per layer kind) keep attention within each conversation (a row's trailing padding is a
+      block of its own); features equal the conversation's own forward's to float rounding. A target
+      with recurrent layers (whose state would carry into the next conversation) runs each conversation
+      alone, as on a CPU.
 
     Every process of a run runs the same number of forwards for batches of the same number of
     conversations (one per conversation, or one per batch), as ZeRO-3's collective gathers need. The
@@ -112,9 +113,13 @@ def target_features(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     B, T = input_ids.shape
     if per_conversation is None:
         per_conversation = input_ids.device.type == "cpu"
+    masks = None
     if position_ids is not None and not per_conversation:
-        states = model(input_ids=input_ids, position_ids=position_ids, output_hidden_states=True, use_cache=False,
-                       logits_to_keep=1).hidden_states
+        masks = packed_masks(model, position_ids)
+        per_conversation = masks is False  # recurrent layers: a packed row cannot run as one forward
+    if position_ids is not None and not per_conversation:
+        states = model(input_ids=input_ids, position_ids=position_ids, attention_mask=masks, output_hidden_states=True,
+                       use_cache=False, logits_to_keep=1).hidden_states
         out = torch.stack([states[i] for i in layers], dim=2)  # (B, T, layers, H)
         return out * attention_mask[:, :, None, None].to(out.dtype)
     spans: list[tuple[int, int, int]] = []  # (row, start, end) of each conversation
@@ -137,6 +142,35 @@ def target_features(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     if out is None:
         raise SelfdraftError("a batch without a single token")
     return out
+
+
+def packed_masks(model: torch.nn.Module, position_ids: torch.Tensor):
+    """The attention masks of one forward over packed rows (``position_ids`` (B, T) restarting at every
+    conversation; a row's trailing padding restarts too, a block of its own), or False where the target
+    cannot run packed rows as one forward, or None to let transformers find the conversations.
+
+    transformers keeps attention within each conversation only where the model builds its masks from
+    ``position_ids`` itself, which not every family does alike (GPT-OSS's features read across
+    conversations that way, by up to 3 on a tiny random model: tests/test_family_training.py), and a
+    recurrent layer (linear attention, state space, convolution)
+    carries its state from one conversation into the next whatever the mask. So the masks are the
+    decoder's own (:class:`~selfdraft.heads.target_layers.TargetLayers`, per layer kind, windows by
+    position): each token sees the earlier tokens of its own conversation; a target with recurrent
+    layers gets False (each conversation then runs alone). A model whose layers selfdraft cannot read
+    (flash attention: it packs by ``position_ids`` itself) gets None."""
+    from selfdraft.heads.target_layers import TargetLayers
+
+    try:
+        layers = TargetLayers.of(model)
+    except SelfdraftError:
+        return None
+    if layers.recurrent:
+        return False
+    segment = torch.cumsum((position_ids == 0).long(), dim=1)  # (B, T): the conversation of each slot
+    index = torch.arange(position_ids.shape[1], device=position_ids.device)
+    visible = (segment[:, :, None] == segment[:, None, :]) & (index[None, None, :] <= index[None, :, None])  # (B, T, T)
+    dtype = next(model.parameters()).dtype
+    return layers.masks(visible, position_ids, position_ids, dtype)
 
 
 # ----------------------------------------------------------------------------------------------

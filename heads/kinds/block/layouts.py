@@ -57,6 +57,7 @@ from selfdraft.heads.folders import load_strict, read_folder, write_folder
 from selfdraft.heads.kinds.block.module import BlockHead, DFlashDims, DSparkDims
 from selfdraft.heads.registry import EngineReader, EngineWriter, ExportContext
 from selfdraft.heads.speculators import serve_command, speculators_config
+from selfdraft.heads.vllm_targets import vllm_capture_problem
 
 WEIGHTS = "model.safetensors"
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}
@@ -107,8 +108,16 @@ def _card_details(drafter: BlockHead, vocabulary: str) -> list[str]:
     return details
 
 
+def check_vllm(drafter: BlockHead, architecture: str) -> None:
+    """Refuse what vLLM cannot serve: a target whose model does not capture the fused hidden states."""
+    problem = vllm_capture_problem(architecture, TITLES[drafter.dims.KIND_FIELD])
+    if problem:
+        raise SelfdraftError(f"cannot export this {drafter.dims.KIND_FIELD} drafter for vLLM: {problem}")
+
+
 def _write_vllm(drafter: BlockHead, ctx: ExportContext) -> tuple[pathlib.Path, str]:
     record, kind = ctx.record, drafter.dims.KIND_FIELD
+    check_vllm(drafter, record.target.architecture)
     d = drafter.dims
     drafts = d.drafts_per_block
     command = vllm_command(ctx.target_path, str(ctx.out), kind, drafts)
@@ -147,6 +156,7 @@ def _write_speculators(drafter: BlockHead, ctx: ExportContext) -> tuple[pathlib.
     """The speculators layout: vLLM's weights, the draft's Qwen3 config as ``transformer_layer_config``
     and the block fields at the top level (aux ids as vLLM's, i.e. ``hidden_states`` indices)."""
     record, kind, d = ctx.record, drafter.dims.KIND_FIELD, drafter.dims
+    check_vllm(drafter, record.target.architecture)
     native = vllm_config(drafter, record.target.num_layers)
     layer = {k: v for k, v in native.items() if k not in _BLOCK_KEYS}
     fields = {"draft_vocab_size": d.draft_vocab_size, "target_hidden_size": d.hidden_size, "mask_token_id": d.mask_token_id,

@@ -127,15 +127,17 @@ class BlockDims(Dims):
     def shaped_like(cls, text_config, **fields) -> "BlockDims":
         """Dims with the target's layer shape (``text_config``: its transformers text config) and the
         given block fields (block_size, num_layers, mask_token_id, target_layers, draft_vocab_size, ...)."""
+        from selfdraft.heads.draft_layer import norm_eps, rope_parameters
+
         heads = text_config.num_attention_heads
-        rope = getattr(text_config, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        intermediate = (getattr(text_config, "intermediate_size", None) or getattr(text_config, "moe_intermediate_size", None)
+                        or 4 * text_config.hidden_size)
         shape = dict(vocab_size=int(text_config.vocab_size), hidden_size=int(text_config.hidden_size),
                      num_heads=int(heads), num_kv_heads=int(getattr(text_config, "num_key_value_heads", None) or heads),
                      head_dim=int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads),
-                     intermediate_size=int(text_config.intermediate_size), rms_norm_eps=float(text_config.rms_norm_eps),
-                     rope_theta=float(theta or getattr(text_config, "rope_theta", None) or 10000.0),
-                     max_position_embeddings=int(text_config.max_position_embeddings))
+                     intermediate_size=int(intermediate), rms_norm_eps=norm_eps(text_config),
+                     rope_theta=float(rope_parameters(text_config)["rope_theta"]),
+                     max_position_embeddings=int(getattr(text_config, "max_position_embeddings", None) or 4096))
         fields = {**shape, **fields}
         fields["target_layers"] = tuple(fields["target_layers"])
         return cls(**fields)

@@ -62,7 +62,7 @@ class Eagle1Head(FeatureHead):
         None. Returns the predicted next feature (B, T, H)."""
         position_embeddings = self.rotary(feature, position_ids)
         x = self.fc(torch.cat([embeds, feature], dim=-1))  # (B, T, H)
-        return self.layer(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+        return self.layer(x, attention_mask=self.causal(attention_mask, x, cache), position_ids=position_ids, cache=cache,
                           use_cache=cache is not None, position_embeddings=position_embeddings)
 
     def target_layers(self, num_layers: int) -> tuple[int, ...]:

@@ -69,6 +69,10 @@ class Eagle3Head(FeatureHead):
         self.aux_layers = list(dims.aux_layers)
         self.fc = nn.Linear(len(self.aux_layers) * H, H, bias=False)
         attn = layer.self_attn
+        missing = [p for p in ("q_proj", "k_proj", "v_proj") if not isinstance(getattr(attn, p, None), nn.Linear)]
+        if missing:  # latent attention (DeepSeek's MLA) projects through low-rank factors instead
+            raise SelfdraftError(f"{type(attn).__name__} has no {', '.join(missing)} projection: EAGLE-3's attention reads "
+                                 "[embedding; feature] through q/k/v projections of 2H inputs (use drafter.eagle.layer=llama)")
         for proj in ("q_proj", "k_proj", "v_proj"):  # the attention reads [embedding; feature]: 2H
             old = getattr(attn, proj)
             setattr(attn, proj, nn.Linear(2 * H, old.out_features, bias=old.bias is not None))
@@ -119,9 +123,10 @@ class Eagle3Head(FeatureHead):
         layer = self.layer
         x = torch.cat([layer.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)  # (B, T, 2H)
         attn, _ = layer.self_attn(hidden_states=x, position_embeddings=position_embeddings,
-                                  attention_mask=attention_mask, cache=cache, position_ids=position_ids)
+                                  attention_mask=self.causal(attention_mask, x, cache), cache=cache,
+                                  position_ids=position_ids)
         h = feature + attn
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return h + self.mlp(layer, layer.post_attention_layernorm(h))
 
     def logits(self, out: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """Draft-vocabulary logits (..., V')."""

@@ -60,6 +60,7 @@ from selfdraft.heads.kinds.eagle.eagle1 import Eagle1Dims, Eagle1Head
 from selfdraft.heads.kinds.eagle.eagle3 import Eagle3Dims, Eagle3Head, default_aux_layers
 from selfdraft.heads.registry import EngineReader, EngineWriter, ExportContext
 from selfdraft.heads.target import TargetIdentity
+from selfdraft.heads.vllm_targets import vllm_capture_problem
 
 EagleHead = Eagle1Head | Eagle3Head
 
@@ -99,7 +100,11 @@ def engine_problems(drafter: EagleHead, engine: str, target: TargetIdentity) -> 
     name, cfg, kind = ENGINE_NAMES[engine], drafter.layer_config, drafter.dims.KIND_FIELD
     problems = []
     served = TARGET_FAMILIES.get(target.architecture, {}).get(engine, ())
-    if kind not in served:
+    if engine == "vllm" and kind == "eagle3":  # vLLM captures EAGLE-3's features from every SupportsEagle3 model
+        capture = vllm_capture_problem(target.architecture, "EAGLE-3")
+        if capture:
+            problems.append(capture)
+    elif kind not in served:
         families = ", ".join(a for a, e in TARGET_FAMILIES.items() if kind in e[engine])
         problems.append(f"{name} serves {kind} drafters for {families} targets, not {target.architecture}")
     layer = {k.removeprefix("layer."): v for k, v in drafter.state_dict().items() if k.startswith("layer.")}
