@@ -9,7 +9,7 @@ Devices. A tree's shape is host-side structure: the decoder walks it in Python (
 which path was accepted), so :class:`DraftTree` and :class:`TreeBuffers` hold CPU tensors and Python
 tuples, made with ``device="cpu"`` explicitly. What a forward needs (token ids, positions, the 4D
 mask) is put on the model's device by the session, in one copy each per step
-(:func:`tree_attention_mask` builds the mask there). :func:`grow_dynamic_tree` works on the drafter's
+(heads/target_layers.py builds the masks there). :func:`grow_dynamic_tree` works on the drafter's
 device and brings the finished tree to the host in one copy; :func:`grow_dynamic_trees` grows the trees
 of a batch of rows in lockstep (one drafter forward per depth for all of them), in one copy too.
 
@@ -241,21 +241,6 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     rows = visible.reshape(-1, *visible.shape[-2:])  # (B, Q, K); B = 1 for a (Q, K) pattern
     mask = torch.zeros(rows.shape[0], 1, *rows.shape[1:], dtype=dtype, device=visible.device)
     return mask.masked_fill_(~rows[:, None], torch.finfo(dtype).min)
-
-
-def tree_attention_mask(ancestors: torch.Tensor, past: int, dtype: torch.dtype,
-                        device: torch.device | str | None = None) -> torch.Tensor:
-    """The additive 4D mask for feeding M tree positions after ``past`` cached tokens, made on ``device``
-    (default: the ancestors' device); only the (M, M) ancestor pattern is copied there.
-
-    ancestors: (M, M) bool from :class:`TreeBuffers`. Returns (1, 1, M, past + M): every cached token
-    and the position's own ancestors are visible.
-    """
-    device = ancestors.device if device is None else torch.device(device)
-    m = ancestors.shape[0]
-    mask = torch.zeros(1, 1, m, past + m, dtype=dtype, device=device)
-    mask[0, 0, :, past:].masked_fill_(~ancestors.to(device), torch.finfo(dtype).min)
-    return mask
 
 
 ExpandFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

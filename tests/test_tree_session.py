@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from selfdraft.heads.target_layers import TargetLayers
 from selfdraft.inference.session import CausalLMSession
-from selfdraft.inference.tree import DraftTree, build_tree_buffers, tree_attention_mask
+from selfdraft.inference.tree import DraftTree, build_tree_buffers
 from selfdraft.inference.verify import greedy_verify
 
 # Node i's parent in a small hand-drawn tree:
@@ -66,8 +67,16 @@ def test_from_paths_merges_prefixes_and_prune_keeps_a_tree():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mask_is_additive_float_on_the_device(test_device, dtype):
+    """The verify forward's mask (heads/target_layers.py, full attention): 5 cached tokens, then the root
+    and a 3-node tree whose second node is a sibling of the first."""
     b = build_tree_buffers(DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, 0])))
-    mask = tree_attention_mask(b.ancestors, past=5, dtype=dtype, device=test_device)
+    layers = TargetLayers(family="toy", rules=(("", "full", 0),), keyed=False, recurrent=False, trees=True,
+                          backend="sdpa")
+    ancestors = b.ancestors.to(test_device)
+    visible = torch.cat([ancestors.new_ones(4, 5), ancestors], dim=1)[None]  # (1, 4, 9)
+    queries = (5 + torch.tensor(b.depths, device=test_device))[None]
+    keys = torch.cat([torch.arange(5, device=test_device)[None], queries], dim=1)
+    mask = layers.masks(visible, queries, keys, dtype)
     assert mask.shape == (1, 1, 4, 9) and mask.dtype == dtype and mask.device.type == test_device.type
     mask = mask.cpu()
     assert (mask[0, 0, :, :5] == 0).all()
