@@ -444,7 +444,11 @@ def load_target(spec: str, *, dtype: str | torch.dtype = "auto", device: str = "
         raise SelfdraftError(f"target {spec} loaded as {model.dtype}, not the requested {torch_dtype}")
     from selfdraft.heads.target_layers import TargetLayers
 
-    TargetLayers.of(model).probe(model)  # a family the decoder cannot serve is refused here, not mid-decode
+    layers = TargetLayers.of(model)  # a layer kind or backend the decoder cannot mask is refused here
+    # Check the forwards where the weights are whole here: ZeRO-3's partitioned (ds_id) and FSDP's meta
+    # parameters are a training load, which runs no verify forward.
+    if not any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters()):
+        layers.probe(model)  # a family the decoder cannot serve is refused here, not mid-decode
     if small_batch_kernel is None:
         small_batch_kernel = dev.type == "cpu" and torch_dtype == torch.float32
     small_batch = SmallBatchMatmul.apply(model, reason="tree verification") if small_batch_kernel else None
