@@ -222,8 +222,9 @@ class FeatureHead(nn.Module):
         past = cache.get_seq_length() if cache is not None else 0
         keys = torch.arange(past + T, device=x.device)
         visible = keys[None, :] <= (past + torch.arange(T, device=x.device))[:, None]  # (T, past + T)
-        mask = torch.zeros(1, 1, T, past + T, dtype=x.dtype, device=x.device)
-        return mask.masked_fill_(~visible, torch.finfo(x.dtype).min).expand(x.shape[0], -1, -1, -1)
+        from selfdraft.heads.target_layers import additive_mask
+
+        return additive_mask(visible, x.dtype).expand(x.shape[0], -1, -1, -1)
 
     @staticmethod
     def mlp(layer, x):

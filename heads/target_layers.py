@@ -69,6 +69,15 @@ RECURRENT_HISTORY = 64
 """Recurrent states recorded per forward: the most tokens one verify (or a drafter's catch-up) can roll back."""
 
 
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(Q, K) or (B, Q, K) bool "may attend" -> (1 or B, 1, Q, K) additive mask of ``dtype`` on
+    ``visible``'s device: 0 where allowed, the dtype's most negative value elsewhere. A float mask, never
+    a bool one: the eager attention path adds the mask."""
+    rows = visible.reshape(-1, *visible.shape[-2:])  # (B, Q, K); B = 1 for a (Q, K) pattern
+    mask = torch.zeros(rows.shape[0], 1, *rows.shape[1:], dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~rows[:, None], torch.finfo(dtype).min)
+
+
 def attention_backend(config) -> str:
     """The attention implementation to load a target of ``config`` with: ``sdpa`` where the family's model
     class has it, else ``eager`` (soft-capping, attention sinks: transformers refuses sdpa for those,
@@ -312,8 +321,7 @@ class TargetLayers:
                     allowed = visible & (query_positions[:, :, None] - key_positions[:, None, :] < size)  # (B, T, K)
                 elif rule == "chunked":
                     allowed = visible & (query_positions[:, :, None] // size == key_positions[:, None, :] // size)
-                mask = torch.zeros(allowed.shape[0], 1, *allowed.shape[1:], dtype=dtype, device=allowed.device)
-                made[rule, size] = mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+                made[rule, size] = additive_mask(allowed, dtype)
             return made[rule, size]
 
         if not self.keyed:

@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from selfdraft.errors import SelfdraftError
+from selfdraft.heads.target_layers import additive_mask  # noqa: F401  (re-exported: the drafters' masks)
 
 HOST = torch.device("cpu")
 
@@ -232,15 +233,6 @@ def build_tree_buffers(tree: DraftTree) -> TreeBuffers:
         ancestors=ancestors,
         is_chain=all(parents[i] == i - 1 for i in range(1, m)),
     )
-
-
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(Q, K) or (B, Q, K) bool "may attend" -> (1 or B, 1, Q, K) additive mask of ``dtype`` on
-    ``visible``'s device: 0 where allowed, the dtype's most negative value elsewhere. A float mask, never
-    a bool one: the eager attention path adds the mask (FACTS.md)."""
-    rows = visible.reshape(-1, *visible.shape[-2:])  # (B, Q, K); B = 1 for a (Q, K) pattern
-    mask = torch.zeros(rows.shape[0], 1, *rows.shape[1:], dtype=dtype, device=visible.device)
-    return mask.masked_fill_(~rows[:, None], torch.finfo(dtype).min)
 
 
 ExpandFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
