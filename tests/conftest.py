@@ -105,8 +105,8 @@ def tiny_target(smollm2_tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def family_folder(smollm2_tokenizer, tmp_path_factory):
-    """``family_folder(model_type, num_layers=None)``: a tiny random model of any transformers causal-LM
-    family (tests/families.py, windows of 16 tokens) over SmolLM2's vocabulary, saved as an HF folder with
+    """``family_folder(model_type, num_layers=None, **sizes)``: a tiny random model of any transformers causal-LM
+    family (tests/families.py, windows of 16 tokens; ``sizes`` set on its config) over SmolLM2's vocabulary, saved as an HF folder with
     SmolLM2's tokenizer; built once per session and arguments. Saving the tokenizer into another family's
     folder may change how it tokenizes when loaded from there: compare against references made from the
     same folder."""
@@ -121,10 +121,12 @@ def family_folder(smollm2_tokenizer, tmp_path_factory):
 
     built = {}
 
-    def make(model_type: str, num_layers: int | None = None) -> pathlib.Path:
-        key = (model_type, num_layers)
+    def make(model_type: str, num_layers: int | None = None, **sizes) -> pathlib.Path:
+        key = (model_type, num_layers, tuple(sorted(sizes.items())))
         if key not in built:
             config = families.tiny_config(model_type, vocab_size=len(smollm2_tokenizer), window=16, num_layers=num_layers)
+            for name, value in sizes.items():  # e.g. hidden_size=128, head_dim=32 for vLLM's CPU attention
+                setattr(config, name, value)
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             folder = tmp_path_factory.mktemp(f"{model_type}-{num_layers or 'default'}")

@@ -4,8 +4,8 @@ attention) and a mixture-of-experts one (qwen3_moe). Each run trains a few steps
 ``selfdraft train``, with the features of the right target layers (sliding ones among them), resumes
 bit for bit, decodes greedily token for token as the target's ``generate()`` (alone and batched), and
 exports in vLLM's layout, which decodes the same here. vLLM 0.32 serves both drafters for both families
-(their models capture hidden states: heads/vllm_targets.py); a family it does not (gemma3_text) is
-refused with the reason. Also: the drafter's own decoder layer of the target's family (``layer:
+(their models capture hidden states: heads/vllm_targets.py; tests/engines/test_vllm.py serves them in
+vLLM itself); a family it does not (gemma3_text) is refused with the reason. Also: the drafter's own decoder layer of the target's family (``layer:
 target``) on sliding, soft-capped and expert layers, and packed training rows on every layer kind.
 
 Tiny random targets over SmolLM2's vocabulary with SmolLM2's tokenizer (conftest.py ``family_folder``,

@@ -279,3 +279,104 @@ def test_vllm_suffix_decoding_runs_beside_our_loop(engines, plain):
     result = engine(engines, "suffix")
     assert [r["token_ids"] for r in result["results"]] == [r["token_ids"] for r in plain["results"]]
     assert sum(r["drafts"] for r in result["results"]) > 0, "suffix decoding never drafted"
+
+
+# --- targets of other families --------------------------------------------------------------------
+
+FAMILIES = ("gpt_oss", "qwen3_moe")
+"""GPT-OSS (sliding windows of 16 tokens on every other layer, attention sinks, experts) and Qwen3-MoE:
+vLLM 0.32 captures the fused hidden states of both (heads/vllm_targets.py) and its CPU build runs both."""
+FAMILY_KINDS = ("eagle3", "dflash")
+FAMILY_LAYERS = 7  # the fewest whose default EAGLE-3 layers (2, L // 2, L - 3) are distinct
+FAMILY_SIZES = {"hidden_size": 128, "head_dim": 32}  # vLLM's CPU attention takes head sizes from 32 up
+FAMILY_STEPS = {"eagle3": 120, "dflash": 300}
+"""Optimizer steps per kind (cheap on these targets). EAGLE-3 at the embedded target's 24 steps accepted 1
+draft in 187 steps on GPT-OSS: too little for the counters to say anything."""
+
+
+@pytest.fixture(scope="module")
+def family_runs(family_folder, smollm2_tokenizer, engine_prompts, tmp_path_factory):
+    """family -> (target, prompts, {kind: drafter folder}): a tiny random target of the family, and an
+    EAGLE-3 and a DFlash drafter trained from ``selfdraft train``'s loop on the target's own greedy answers
+    to the engine prompts (overfit, as ``trained_smollm2``, so that vLLM's counters say something); the
+    prompts' chat template makes them longer than the 16-token windows."""
+    from selfdraft.configs.run import load_run_config
+    from selfdraft.heads.target import load_target
+    from selfdraft.inference.api import encode_prompt, generate_batch
+    from selfdraft.train.loop import train
+
+    from conftest import TRAINED_SMOLLM2
+
+    runs = {}
+    for family in FAMILIES:
+        folder = family_folder(family, FAMILY_LAYERS, **FAMILY_SIZES)
+        target = load_target(str(folder), dtype="float32")
+        root = tmp_path_factory.mktemp(f"trained-{family}")
+        data = root / "own-answers.jsonl"
+        answers = generate_batch(target, [p.text for p in engine_prompts], chat=True, max_new_tokens=64, stop_on_eos=False)
+        with open(data, "w", encoding="utf-8") as f:
+            for prompt, answer in zip(engine_prompts, answers):
+                f.write(json.dumps({"messages": [{"role": "user", "content": prompt.text},
+                                                 {"role": "assistant", "content": answer.text}]}) + "\n")
+        drafters = {}
+        for kind in FAMILY_KINDS:
+            preset, overrides = TRAINED_SMOLLM2[kind]
+            steps = FAMILY_STEPS[kind]
+            config = load_run_config(preset, [
+                *overrides, f"target.spec={folder}", f"train.output_dir={root / kind}", f"train.max_steps={steps}",
+                "train.eval_every=0", f"train.save_every={steps}", "train.lr=3e-3", f"data.source={data}",
+                "data.max_length=256", "data.eval_fraction=0.1", "train.micro_batch_size=2", "train.grad_accum=1",
+                "train.warmup_steps=2", "train.mixed_precision=no"])
+            drafters[kind] = train(config).drafter_dir
+        prompts = [encode_prompt(target.tokenizer, p.text, p.chat) for p in engine_prompts[:4]]
+        runs[family] = (target, prompts, drafters)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def family_engines(family_runs, tmp_path_factory):
+    """(family, name) -> (folder, vLLM's result), name ``plain``, ``vllm-KIND`` or ``broken-KIND`` (GPT-OSS,
+    whose shifted layers mix sliding and full ones): one vLLM process for all."""
+    from selfdraft.inference.vllm_engine import run_vllm_engines, speculative_config, vllm_request
+    from selfdraft.train.export import export
+
+    root = tmp_path_factory.mktemp("vllm-family-exports")
+    folders, requests = {}, {}
+    for family, (target, prompts, drafters) in family_runs.items():
+        path = str(target.model.name_or_path)
+        folders[family, "plain"], requests[family, "plain"] = None, vllm_request(path, prompts, NEW_TOKENS)
+        for kind, drafter in drafters.items():
+            for name in (f"vllm-{kind}", *([f"broken-{kind}"] if family == "gpt_oss" else [])):
+                folder, _ = export(drafter, "vllm", root / f"{family}-{name}")
+                if name.startswith("broken"):
+                    (folder / "config.json").write_text(json.dumps(broken(json.loads((folder / "config.json").read_text()), kind)))
+                folders[family, name] = folder
+                requests[family, name] = vllm_request(path, prompts, NEW_TOKENS, speculative=speculative_config(folder, DEPTH))
+    _, results = run_vllm_engines(list(requests.values()), log=root / "vllm.log")
+    return {key: (folders[key], result) for key, result in zip(requests, results)}
+
+
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_drafts_what_we_trained_on_other_families(family, kind, family_runs, family_engines):
+    """vLLM serves our EAGLE-3 and DFlash exports for a GPT-OSS- and a Qwen3-MoE-shaped target: its output
+    is its plain output (which is transformers' greedy text here) and its counters are our decoder's
+    with the same chain, prompt by prompt; on GPT-OSS the export fusing shifted layers does not pass."""
+    target, prompts, drafters = family_runs[family]
+    plain_tokens = [r["token_ids"] for r in engine(family_engines, (family, "plain"))["results"]]
+    mine = ours(target, chain_drafter(kind, drafters[kind], target), prompts)
+    rows = compare(engine(family_engines, (family, f"vllm-{kind}")), mine, plain_tokens)
+    report = json.dumps(rows, indent=1)
+    assert all(row["identical_to_plain"] for row in rows), f"vLLM's speculative output differs from its plain output:\n{report}"
+    assert all(row["same_tokens_as_ours"] for row in rows), f"vLLM and transformers decode different text:\n{report}"
+    for row in rows:
+        assert row["vllm"][:2] == row["ours"][:2] and list(row["vllm"][2]) == row["ours"][2], f"counters differ:\n{report}"
+    steps, accepted = sum(row["ours"][0] for row in rows), sum(row["ours"][1] for row in rows)
+    assert accepted >= 0.1 * steps, f"the trained drafter accepted {accepted} drafts in {steps} steps: too little evidence\n{report}"
+    steps, accepted = sum(row["vllm"][0] for row in rows), sum(row["vllm"][1] for row in rows)
+    print(f"\n{family} {kind}: vLLM accepted {accepted} drafts in {steps} steps (tau {1 + accepted / steps:.2f}), as ours", end="")
+    if family == "gpt_oss":
+        rows = compare(engine(family_engines, (family, f"broken-{kind}")), mine, plain_tokens)
+        assert all(row["identical_to_plain"] for row in rows)
+        assert any(row["vllm"][:2] != row["ours"][:2] for row in rows), \
+            f"a wrong export went unnoticed:\n{json.dumps(rows, indent=1)}"
