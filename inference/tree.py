@@ -13,7 +13,7 @@ mask) is put on the model's device by the session, in one copy each per step
 device and brings the finished tree to the host in one copy; :func:`grow_dynamic_trees` grows the trees
 of a batch of rows in lockstep (one drafter forward per depth for all of them), in one copy too.
 
-Shape letters (DESIGN.md): B batch rows, N draft nodes, M = N + 1 tree positions, P paths, L path
+Shape letters (docs/architecture.md): B batch rows, N draft nodes, M = N + 1 tree positions, P paths, L path
 length, V' draft vocabulary, S tree slots fed so far, W committed cache columns, F and C a depth's and
 all depths' candidates.
 """

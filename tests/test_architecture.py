@@ -1,4 +1,4 @@
-"""The package layout and the one-way dependencies of DESIGN.md, kept by tests."""
+"""The package layout and the one-way dependencies of docs/architecture.md, kept by tests."""
 
 import ast
 import pathlib

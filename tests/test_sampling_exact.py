@@ -17,7 +17,7 @@ The models live on ``SELFDRAFT_TEST_DEVICE`` (the ``test_device`` fixture, defau
 draws with a generator on that device, and the exact law is computed from that device's logits.
 
 The test has teeth: planted biased rules are rejected by the same test with a quarter of the samples:
-min(1, p/q) with the draft's softmax over deterministic top-k children (the mistake DESIGN.md warns
+min(1, p/q) with the draft's softmax over deterministic top-k children (the mistake docs/exactness.md warns
 about), and the right walk that forgets to renormalise the residual.
 """
 
@@ -489,7 +489,7 @@ def test_hybrid_drafting_keeps_the_target_distribution(target, drafters, law):
 @pytest.mark.parametrize("bug", ["min(1,p/q)", "no-renormalisation"])
 def test_biased_rule_is_detected(target, drafters, bug, law):
     """The same test rejects biased rules, with a quarter of the samples the correct rule gets:
-    min(1, p/q) over deterministic top-2 children (DESIGN.md's warning), and a walk that forgets
+    min(1, p/q) over deterministic top-2 children (docs/exactness.md's warning), and a walk that forgets
     to renormalise the residual."""
     sampling, n = Sampling(1.0), BIASED_N
     drafter = drafters["tree"]

@@ -1,1 +1,1 @@
-"""Training: data, target features, losses and the one accelerate loop (see DESIGN.md)."""
+"""Training: data, target features, losses and the one accelerate loop (docs/architecture.md#training)."""

@@ -6,7 +6,7 @@ files, running the target the way an engine captures its hidden states, and turn
 list (flat candidates + the parent index of each group of top-k) into root-to-node paths.
 
 The emulators import this file by path (``tests/engines`` is not a package), so it stays import-free of
-the tests.  Shape letters as in shared/DESIGN.md: T positions, m new rows, S stored entries, H hidden,
+the tests.  Shape letters as in docs/architecture.md: T positions, m new rows, S stored entries, H hidden,
 h heads, kvh key/value heads, hd head dim, V vocabulary.
 """
 
