@@ -17,7 +17,7 @@ few-row cost is several one-row costs and the weight-first product stays near on
 Xeon with AMX) the general kernel is the faster of the two at every row count. So by default (``auto``)
 :meth:`SmallBatchMatmul.apply` times both products once per process for each weight shape it meets and
 each row count the path serves (2, 3, 4, 5, 8, 16, 32, 64; counts in between take the next measured
-one; at most half a second per shape), and a layer takes the weight-first product only at the row counts where it was at least 20%
+one; at most half a second per shape; the verdicts are kept on disk per machine), and a layer takes the weight-first product only at the row counts where it was at least 20%
 faster; a layer whose shape never gains is not wrapped. ``SELFDRAFT_SMALL_BATCH_MATMUL=1`` takes it
 at every count without timing (what the tests check), ``0`` switches it off for a process, e.g. to
 measure what it buys.
@@ -25,14 +25,20 @@ measure what it buys.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
 import os
+import pathlib
 import time
 import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from selfdraft.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +114,34 @@ def _measure_fast_rows(out_features: int, in_features: int) -> frozenset[int]:
     return frozenset(fast)
 
 
+def _verdict_file() -> pathlib.Path:
+    """Where this machine's verdicts are kept: one file per (processor, its flags, cores, torch, threads)
+    under ``$SELFDRAFT_CACHE`` (default ``~/.cache/selfdraft``)/``costs/``, beside the costs measured with them."""
+    from selfdraft.machine import describe
+
+    key = json.dumps(describe("cpu"), sort_keys=True, default=str)
+    root = pathlib.Path(os.path.expanduser(os.environ.get("SELFDRAFT_CACHE") or "~/.cache/selfdraft"))
+    return root / "costs" / f"few-row-kernel-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
 def fast_rows(out_features: int, in_features: int) -> frozenset[int]:
-    """The padded row counts that take the weight-first product for this weight shape (``auto`` mode:
-    measured once per process and thread count)."""
+    """The padded row counts that take the weight-first product for this weight shape (``auto`` mode):
+    measured once per machine and thread count and kept on disk, so that a process decides as the last
+    one did (a timing taken under another load could decide otherwise, and every cost measured with the
+    kernel choice would then be measured again)."""
     key = (out_features, in_features, torch.get_num_threads())
     if key not in _FAST:
-        measured = _measure_fast_rows(out_features, in_features)
+        path, name = _verdict_file(), f"{out_features}x{in_features}"
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        measured = known.get(name)
+        if not isinstance(measured, list):
+            measured = sorted(_measure_fast_rows(out_features, in_features))
+            with contextlib.suppress(OSError):  # a read-only cache: measured again next time
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(path, json.dumps({**known, name: measured}, indent=1, sort_keys=True))
         _FAST[key] = frozenset(p for p in range(2, MAX_ROWS + 1)
                                if next(r for r in MEASURED_ROWS if r >= p) in measured)
     return _FAST[key]

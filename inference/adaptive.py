@@ -3,7 +3,7 @@ and look again now and then once it stops paying.
 
 A drafted step costs the drafter's proposal D plus one target forward over the root and the n nodes
 verified, T(n + 1), and emits 1 + (accepted drafts) tokens; a plain step costs T(1) and emits one.
-Both costs come from this machine's measured cost curve (:class:`~selfdraft.inference.schedule.VerifyCost`)
+Both costs come from this machine's measured costs (inference/costs.py: T(1, m), batch 1's row)
 and the drafter's measured proposal time (or, for a drafter whose cost varies from step to step, such as
 a hybrid that skips its drafter, the modelled cost it reports), never from a clock read during decoding: the decisions then
 depend only on what the target accepted, so a seeded sampled run is reproducible.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.inference.schedule import COST_TOKENS, VerifyCost, draft_cost, verify_cost
+from selfdraft.inference.costs import COST_TOKENS, CostSurface, draft_cost, pays, verify_cost
 
 ADAPTIVE = ("on", "off")
 
@@ -41,7 +41,8 @@ class Throttle:
     """When a request drafts: the costs it weighs and how it probes (one per drafter, shared by requests;
     each request keeps its own :class:`ThrottleState`)."""
 
-    cost: VerifyCost
+    cost: CostSurface
+    """T(1, m): batch 1's verify costs."""
     draft_seconds: float
     memory: float = 0.95
     """Weight of the past in the running means: the newest drafted step weighs max(1 - memory, 1 / n) at
@@ -82,14 +83,14 @@ class Throttle:
 
     def step_cost(self, nodes: int) -> float:
         """Modelled seconds of a drafted step that verified ``nodes`` draft nodes."""
-        return self.cost(nodes + 1) + self.draft_seconds
+        return self.cost(1, nodes + 1) + self.draft_seconds
 
 
-def cheap_nodes(cost, most: int = 64) -> int:
-    """The draft nodes (at least one, at most ``most``) whose verification costs at most 15% more than a plain
-    step on ``cost`` (tokens per forward -> seconds): what a probe verifies."""
+def cheap_nodes(cost: CostSurface, batch: int = 1, most: int = 64) -> int:
+    """The draft nodes per row (at least one, at most ``most``) whose verification at ``batch`` rows costs at
+    most 15% more than a plain step: what a probe verifies."""
     n = 1
-    while n < most and cost(n + 2) <= 1.15 * cost(1):
+    while n < most and cost(batch, n + 2) <= 1.15 * cost(batch, 1):
         n += 1
     return n
 
@@ -134,7 +135,7 @@ class ThrottleState:
 
     def pays(self) -> bool:
         """Do drafted steps emit tokens faster than plain ones, by the running means?"""
-        return self.tokens * self.throttle.cost(1) > (1.0 - self.throttle.slack) * self.seconds
+        return pays(self.tokens, self.seconds, self.throttle.cost(1, 1), self.throttle.slack)
 
     def should_draft(self) -> bool:
         """Does the next step draft? (Decided before the target sees it.) A probe sets ``probing``."""
@@ -159,7 +160,7 @@ class ThrottleState:
         ``draft_seconds``: its proposal's modelled cost where the drafter gives one (else the measured constant)."""
         t = self.throttle
         paid_before = self.drafted < t.min_drafted or self.pays()  # what should_draft saw
-        seconds = t.step_cost(nodes) if draft_seconds is None else t.cost(nodes + 1) + draft_seconds
+        seconds = t.step_cost(nodes) if draft_seconds is None else t.cost(1, nodes + 1) + draft_seconds
         self.drafted += 1
         w = max(1.0 - t.memory, 1.0 / self.drafted)
         self.tokens += w * (emitted - self.tokens)
@@ -181,7 +182,7 @@ class ThrottleState:
 
     def hopeless(self) -> bool:
         """Do drafted steps bring less than half the extra tokens they would need to pay?"""
-        need = (1.0 - self.throttle.slack) * self.seconds / self.throttle.cost(1)
+        need = (1.0 - self.throttle.slack) * self.seconds / self.throttle.cost(1, 1)
         return self.tokens - 1.0 < 0.5 * (need - 1.0)
 
 

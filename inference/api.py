@@ -197,7 +197,7 @@ def generate_batch(
     step. The confidence schedule of :func:`generate` acts at batch 1.
     """
     from selfdraft.inference.batch import BatchSession, batch_budgets, batched_decode
-    from selfdraft.inference.cost_surface import check_batch_fits
+    from selfdraft.inference.costs import check_batch_fits
 
     if speculation not in ("auto", "off"):
         raise SelfdraftError(f"speculation must be auto or off, got {speculation!r}")

@@ -40,6 +40,7 @@ from selfdraft.configs.decode import DecodeConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.heads.target_layers import TargetLayers
 from selfdraft.inference.adaptive import Throttle, cheap_nodes
+from selfdraft.inference.costs import pays
 from selfdraft.inference.decode import (
     DecodeOutput, DecodeStats, SampleRule, accept, committed_tokens, sampling_generator, tree_buffers, verified,
 )
@@ -217,7 +218,7 @@ class BatchThrottle:
     per-request throttle of inference/adaptive.py, with the costs of the live batch size.
 
     A drafted step of B rows costs the target's forward over every row's root and the widest tree, T(B,
-    w + 1) on this machine's measured :class:`~selfdraft.inference.cost_surface.CostSurface`, plus the
+    w + 1) on this machine's measured :class:`~selfdraft.inference.costs.CostSurface`, plus the
     step's proposals D(B) (``draft_seconds``: B times one proposal for a drafter that drafts row by row,
     measured batches for a batched one); a plain step costs T(B, 1). A batch whose rows do not refill
     lasts as long as its slowest row: with R_i tokens left to row i and E_i its running mean of tokens per
@@ -259,10 +260,10 @@ class BatchThrottle:
     def pays(self, rows: int) -> bool:
         cost = self.surface(rows, self.width + 1) + self.draft_seconds(rows)
         if not self.rows_left:  # nothing known of the rows: the mean
-            return self.tokens * self.surface(rows, 1) >= (1.0 - self.slack) * cost
-        plain = max(left for _, left in self.rows_left)
+            return pays(self.tokens, cost, self.surface(rows, 1), self.slack)
+        plain = max(left for _, left in self.rows_left)  # steps the batch lasts plainly, and drafting:
         drafted = max(left / max(self.row_tokens.get(i, self.tokens), 1.0) for i, left in self.rows_left)
-        return drafted * cost * (1.0 - self.slack) <= plain * self.surface(rows, 1)
+        return drafted == 0 or pays(plain / drafted, cost, self.surface(rows, 1), self.slack)
 
     def learning(self) -> bool:
         return self.samples < self.min_drafted
@@ -271,7 +272,7 @@ class BatchThrottle:
         """The draft nodes per row that cost at most 15% more than a plain step at this batch size (at least
         one): what a learning step or a probe verifies, so finding out costs little where verifying is dear."""
         if rows not in self._cheap:
-            self._cheap[rows] = cheap_nodes(lambda m: self.surface(rows, m))
+            self._cheap[rows] = cheap_nodes(self.surface, rows)
         return self._cheap[rows]
 
     def __call__(self, rows: int) -> int | None:
@@ -313,19 +314,13 @@ def batch_throttle_for(target, drafter: Drafter, rows: int) -> BatchThrottle | N
     machine's cost surface (measured once per grid and cached) and the drafter's measured proposal time
     (a batched drafter's measured at batch 1 and the grid's largest batch, linear between and beyond);
     None for a drafter that never drafts."""
-    from selfdraft.inference.cost_surface import cost_surface
-    from selfdraft.inference.schedule import draft_cost
+    from selfdraft.inference.costs import batch_draft_cost, cost_surface
 
     if drafter.max_nodes <= 0:
         return None
     batches = tuple(sorted({1, 4, 16} | ({rows} if rows > 16 else set())))
     tokens = tuple(sorted({1, 2, 4, 8, 16, 32} | ({drafter.max_nodes + 1} if drafter.max_nodes >= 32 else set())))
-    surface, one = cost_surface(target, batches, tokens), draft_cost(target, drafter)
-    if not drafter.batched:
-        return BatchThrottle(surface, one)
-    most = batches[-1]
-    per_row = max(draft_cost(target, drafter, rows=most) - one, 0.0) / (most - 1)
-    return BatchThrottle(surface, lambda b: one + (b - 1) * per_row)
+    return BatchThrottle(cost_surface(target, batches, tokens), batch_draft_cost(target, drafter, batches))
 
 
 def batch_budgets(target, drafter: Drafter, folder: str | None) -> Callable[[int], NodeBudget | None]:

@@ -18,7 +18,7 @@ model) into one verification tree per step:
 - The two trees are merged as a trie (a path both propose is one path, valued by the larger value);
   the nodes with the highest values fill the node budget, so the budget is split by each source's
   expected accepted tokens; then the set is cut to the size that pays on this machine's verify-cost
-  curve (:class:`~selfdraft.inference.schedule.VerifySchedule`, the drafter's cost counted when it ran).
+  costs (:class:`~selfdraft.inference.schedule.VerifySchedule`, the drafter's cost counted when it ran).
 - The drafter's forward is skipped when the copy tree already makes it not worth its cost: it runs while
   the tokens it would add, (1 - c) * g, are a larger share of the copy tree's tokens (1 + the sum of its
   values) than its cost, D + T(n + k + 1) - T(n + 1), is of the copy step's cost T(n + 1); c is the
@@ -41,7 +41,8 @@ import numpy as np
 
 from selfdraft.configs.decode import CopyConfig, HybridConfig
 from selfdraft.inference.drafters import Drafter, Verified
-from selfdraft.inference.schedule import COST_TOKENS, VerifySchedule, draft_cost, verify_cost
+from selfdraft.inference.costs import COST_TOKENS, draft_cost, pays, verify_cost
+from selfdraft.inference.schedule import VerifySchedule
 from selfdraft.inference.tree import DraftTree
 
 COPY, MODEL = 0, 1  # the two sources of a hybrid tree
@@ -187,9 +188,11 @@ class HybridDrafter(Drafter):
         cost = self.schedule.cost
         n = min(len(copy_values), self.config.max_nodes)
         copy_tokens = 1.0 + sum(sorted(copy_values, reverse=True)[:n])
-        extra_cost = self.model_seconds + cost(min(n + self.model.max_nodes, self.config.max_nodes) + 1) - cost(n + 1)
+        copy_cost = cost(1, n + 1)
+        extra_cost = self.model_seconds + cost(1, min(n + self.model.max_nodes, self.config.max_nodes) + 1) - copy_cost
         gain = (1.0 - copy_first) * state.gain / state.runs
-        return gain * cost(n + 1) > copy_tokens * extra_cost
+        # the step with the drafter against the copy step alone: (copy + gain) tokens for copy_cost + extra_cost
+        return pays((copy_tokens + gain) / copy_tokens, copy_cost + extra_cost, copy_cost)
 
     def propose(self, state: HybridState, sequence):
         copy_tree, state.copy = self.copy.propose(state.copy, sequence)
@@ -275,7 +278,7 @@ class HybridDrafter(Drafter):
 
 def hybrid_for(target, model: Drafter, config: HybridConfig = HybridConfig(), copy: CopyConfig = CopyConfig()) -> HybridDrafter:
     """The hybrid of ``model`` and copy drafting for ``target``, with this machine's cost curve and
-    ``model``'s measured proposal cost (both cached: see inference/schedule.py)."""
+    ``model``'s measured proposal cost (both cached: see inference/costs.py)."""
     cost = verify_cost(target, max(COST_TOKENS, config.max_nodes + 1))
     return HybridDrafter(model, CopyDrafter(copy), config, schedule=VerifySchedule(cost),
                          model_seconds=draft_cost(target, model))

@@ -4,7 +4,7 @@ per-position acceptance and this machine's costs.
 A chain of k drafts whose i-th token is accepted (given the ones before it were) with probability a_i
 emits E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens per step (depths taken as independent, as the
 trees' own scoring does). At batch size B a step costs the target's forward over k + 1 tokens per row,
-T(B, k + 1) (the measured :class:`~selfdraft.inference.cost_surface.CostSurface`), plus the drafter's
+T(B, k + 1) (the measured :class:`~selfdraft.inference.costs.CostSurface`), plus the drafter's
 proposal of k drafts, D(B, k); plain decoding emits one token per T(B, 1). So the predicted speedup is
 
     S(B, k) = E(k) * T(B, 1) / (T(B, k + 1) + D(B, k)),
@@ -29,7 +29,7 @@ from typing import Callable
 from selfdraft.errors import SelfdraftError
 from selfdraft.files import write_atomic
 from selfdraft.heads.cards import PROFILE_FILE, sglang_settings
-from selfdraft.inference.cost_surface import CostSurface
+from selfdraft.inference.costs import CostSurface, speedup
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +70,7 @@ def plan_schedule(acceptance, surface: CostSurface, draft_seconds) -> list[Sched
     for b in surface.batch_sizes:
         plain = surface(b, 1)
         scale = plain / plain1
-        by_tokens = tuple(1.0 if k == 0 else
-                          expected_tokens(acceptance, k) * plain / (surface(b, k + 1) + draft_seconds[k] * scale)
+        by_tokens = tuple(1.0 if k == 0 else speedup(expected_tokens(acceptance, k), surface(b, k + 1) + draft_seconds[k] * scale, plain)
                           for k in range(max_tokens + 1))
         best = max(range(max_tokens + 1), key=lambda k: (by_tokens[k] > 1.0 + 1e-9, by_tokens[k], -k))
         if by_tokens[best] <= 1.0:
@@ -145,7 +144,7 @@ def write_drafter_profile(folder, target, surface: CostSurface, out) -> tuple[di
 
     from selfdraft.heads.io import is_drafter_folder, read_record
     from selfdraft.heads.kinds import get_kind
-    from selfdraft.inference.schedule import draft_cost
+    from selfdraft.inference.costs import draft_cost
     from selfdraft.inference.specs import make_drafter
 
     if not is_drafter_folder(folder):

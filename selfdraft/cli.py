@@ -445,7 +445,7 @@ def _run_costs(args) -> int:
 
     from selfdraft.files import write_atomic
     from selfdraft.heads.target import load_target
-    from selfdraft.inference.cost_surface import cost_surface, plot_cost_surface
+    from selfdraft.inference.costs import cost_surface, plot_cost_surface
 
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     surface = cost_surface(target, args.batch_sizes, args.tokens)

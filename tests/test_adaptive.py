@@ -21,16 +21,16 @@ from selfdraft.errors import SelfdraftError
 from selfdraft.inference.adaptive import Throttle, throttle_for
 from selfdraft.inference.decode import speculative_decode
 from selfdraft.inference.drafters import DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter
-from selfdraft.inference.schedule import VerifyCost
+from selfdraft.inference.costs import CostSurface
 from selfdraft.inference.session import CausalLMSession
 from selfdraft.inference.tree import DraftTree
 
 VOCAB = 97  # the vocabulary of the tiny_llama fixture
 
 
-def linear_cost(base: float = 1.0, per_token: float = 0.05, sizes: int = 64) -> VerifyCost:
+def linear_cost(base: float = 1.0, per_token: float = 0.05, sizes: int = 64) -> CostSurface:
     """T(m) = base + per_token * (m - 1)."""
-    return VerifyCost(tuple(base + per_token * m for m in range(sizes)), "toy", "float32", "cpu", 256, {})
+    return CostSurface.row(tuple(base + per_token * m for m in range(sizes)), target="toy", dtype="float32", device="cpu", context=256)
 
 
 def simulate(throttle: Throttle, accepted, steps: int, nodes: int = 4) -> list[int]:
@@ -209,17 +209,17 @@ def test_generate_reports_the_throttle_and_off_drafts_every_step(tiny_target, tm
     tiny target a forward over 4 tokens can measure what one over 1 does, and a drafter whose drafts cost
     nothing is rightly kept on (a CI run measured it so and drafted every step)."""
     from selfdraft.heads.target import load_target
-    from selfdraft.inference import schedule
+    from selfdraft.inference import costs
     from selfdraft.inference.api import generate
 
     monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path))
 
-    def curve(target, max_tokens, **_):
-        sizes = schedule.cost_sizes(max_tokens)
-        return schedule.VerifyCost(seconds=tuple(1e-3 * (1 + 0.25 * (m - 1)) for m in sizes), target=target.identity.name,
-                                   dtype="float32", device="cpu", context=schedule.COST_CONTEXT, machine={}, sizes=sizes)
+    def curve(target, batch_sizes, tokens, **_):
+        return costs.CostSurface(tuple(batch_sizes), tuple(tokens),
+                                 tuple(tuple(1e-3 * b * (1 + 0.25 * (m - 1)) for m in tokens) for b in batch_sizes),
+                                 target=target.identity.name, dtype="float32", device="cpu", context=costs.COST_CONTEXT, machine={})
 
-    monkeypatch.setattr(schedule, "measure_verify_cost", curve)
+    monkeypatch.setattr(costs, "measure_cost_surface", curve)
     t = load_target(str(tiny_target))
     ids = [3, 9, 27, 81, 243, 30, 90]
     plain = generate(t, input_ids=ids, max_new_tokens=64, stop_on_eos=False)

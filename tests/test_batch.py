@@ -327,7 +327,7 @@ def test_the_batch_throttle_drafts_only_where_drafting_pays_at_the_live_batch_si
     in a batch of 4; a random EAGLE-3 (it accepts next to nothing) stops even alone, then only probes,
     ever more rarely. Every row stays greedy-exact."""
     from selfdraft.inference.batch import BatchThrottle
-    from selfdraft.inference.cost_surface import CostSurface
+    from selfdraft.inference.costs import CostSurface
 
     surface = CostSurface(batch_sizes=(1, 4), tokens=(1, 2, 16), seconds=((1.0, 1.01, 1.15), (2.0, 4.0, 32.0)),
                           target="tiny", dtype="float32", device="cpu", context=256, machine={})
@@ -356,7 +356,7 @@ def test_the_batch_throttle_charges_a_batched_drafter_its_batch_cost():
     rows costing 2 s plain and 2.2 s over the widest tree): a proposal of 3 s makes row-by-row drafting a
     loss at B = 4 (2.2 + 4 x 3 s for 4x the tokens of a 2 s step) and a batch proposal of 3 s a gain."""
     from selfdraft.inference.batch import BatchThrottle
-    from selfdraft.inference.cost_surface import CostSurface
+    from selfdraft.inference.costs import CostSurface
 
     surface = CostSurface(batch_sizes=(1, 4), tokens=(1, 16), seconds=((1.0, 1.1), (2.0, 2.2)), target="tiny",
                           dtype="float32", device="cpu", context=256, machine={})
@@ -392,7 +392,7 @@ def test_one_row_that_accepts_nothing_keeps_a_fixed_batch_from_drafting(target):
     tokens per row would pay; the slow row's 1 does not), while the good row alone drafts every step. Rows
     stay exact."""
     from selfdraft.inference.batch import BatchThrottle
-    from selfdraft.inference.cost_surface import CostSurface
+    from selfdraft.inference.costs import CostSurface
 
     surface = CostSurface(batch_sizes=(1, 4), tokens=(1, 5), seconds=((1.0, 1.5), (2.0, 3.0)), target="tiny",
                           dtype="float32", device="cpu", context=256, machine={})

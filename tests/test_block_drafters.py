@@ -89,7 +89,8 @@ def test_a_trained_block_drafter_decodes_exactly(kind, tiny_target, tmp_path):
     from selfdraft.configs.decode import DecodeConfig
     from selfdraft.inference.api import generate
     from selfdraft.inference.decode import speculative_decode
-    from selfdraft.inference.schedule import VerifyCost, VerifySchedule
+    from selfdraft.inference.costs import CostSurface
+    from selfdraft.inference.schedule import VerifySchedule
     from selfdraft.inference.session import CausalLMSession
     from selfdraft.inference.specs import make_drafter
     from selfdraft.train.loop import train
@@ -142,7 +143,7 @@ def test_a_trained_block_drafter_decodes_exactly(kind, tiny_target, tmp_path):
                 trees.append(kept.num_nodes)
                 return kept
 
-        cost = VerifyCost(tuple(0.01 + per_token * m for m in range(1, 9)), "t", "float32", "cpu", 256, {})
+        cost = CostSurface.row(tuple(0.01 + per_token * m for m in range(1, 9)), target="t", dtype="float32", device="cpu", context=256)
         session = CausalLMSession(target.model, hidden_layers=drafter.hidden_layers)
         scheduled = speculative_decode(session, ids, drafter, DecodeConfig(max_new_tokens=32, stop_on_eos=False),
                                        schedule=Recording(cost))

@@ -82,7 +82,7 @@ def test_the_batched_verify_cost_is_measured_on_windowed_and_recurrent_targets(f
     """`selfdraft costs` and `bench --batch-sizes` time verify forwards and roll them back: with the
     decoder's cache (sliding layers keep every key) and recorded recurrent states."""
     from selfdraft.heads.target import load_target
-    from selfdraft.inference.cost_surface import measure_cost_surface
+    from selfdraft.inference.costs import measure_cost_surface
 
     target = load_target(str(family_folder(family)))
     surface = measure_cost_surface(target, [1, 2], [1, 4], context=24, reps=1)  # 24 > the window of 16

@@ -13,7 +13,8 @@ from selfdraft.configs.decode import CopyConfig, HybridConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.drafters import Drafter, Verified
 from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter, longest_suffix_match, valued_tree
-from selfdraft.inference.schedule import VerifyCost, VerifySchedule
+from selfdraft.inference.costs import CostSurface
+from selfdraft.inference.schedule import VerifySchedule
 from selfdraft.inference.tree import DraftTree
 
 
@@ -100,7 +101,7 @@ def test_calibration_follows_what_the_target_accepts_and_the_drafter_is_skipped_
     while copying is sure, and runs again every ``probe_every`` steps."""
     seq = [1, 2, 3, 4] * 6 + [1, 2, 3]  # copying is sure of 4
     model = Scripted(DraftTree.chain([8, 9], [0.9, 0.8]))
-    schedule = VerifySchedule(VerifyCost(tuple(1.0 + 0.01 * m for m in range(64)), "toy", "float32", "cpu", 256, {}))
+    schedule = VerifySchedule(CostSurface.row(tuple(1.0 + 0.01 * m for m in range(64)), target="toy", dtype="float32", device="cpu", context=256))
     hybrid = HybridDrafter(model, CopyDrafter(CopyConfig(depth=1)), HybridConfig(), schedule=schedule,
                            model_seconds=0.2, probe_every=8)
     state = hybrid.start(seq, None)

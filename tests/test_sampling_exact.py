@@ -438,11 +438,11 @@ def test_adaptive_throttle_keeps_the_target_distribution(target, drafters, law):
     here a step drafts after a step that accepted a draft token and decodes plain after one that did
     not (memory 0, a one-step wait), so half the runs or so take a plain second step."""
     from selfdraft.inference.adaptive import Throttle
-    from selfdraft.inference.schedule import VerifyCost
+    from selfdraft.inference.costs import CostSurface
 
     sampling, n = Sampling(1.0), BIASED_N
     # T(1) = 1, T(4) = 1.4, drafting 0.1: a drafted step pays when it emits more than 1.5 tokens.
-    cost = VerifyCost(tuple(1.0 + 0.4 * (m - 1) / 3 for m in range(1, 5)), "t", "float32", "cpu", 8, {})
+    cost = CostSurface.row(tuple(1.0 + 0.4 * (m - 1) / 3 for m in range(1, 5)), target="t", dtype="float32", device="cpu", context=8)
     throttle = Throttle(cost, 0.1, memory=0.0, slack=0.0, min_drafted=1, first_wait=1, longest_wait=1)
     probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
@@ -459,8 +459,9 @@ def test_hybrid_drafting_keeps_the_target_distribution(target, drafters, law):
     steps accepted (random under sampling). Each tree is still fixed before the target sees the step,
     so the law is the target's."""
     from selfdraft.configs.decode import CopyConfig
+    from selfdraft.inference.costs import CostSurface
     from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter
-    from selfdraft.inference.schedule import VerifyCost, VerifySchedule
+    from selfdraft.inference.schedule import VerifySchedule
 
     class Counting(HybridDrafter):
         merged = skipped = 0
@@ -473,7 +474,7 @@ def test_hybrid_drafting_keeps_the_target_distribution(target, drafters, law):
             return tree, state
 
     sampling, n = Sampling(1.0), BIASED_N
-    cost = VerifyCost(tuple(1.0 + 0.05 * m for m in range(8)), "t", "float32", "cpu", 8, {})
+    cost = CostSurface.row(tuple(1.0 + 0.05 * m for m in range(8)), target="t", dtype="float32", device="cpu", context=8)
     hybrid = Counting(drafters["chain"], CopyDrafter(CopyConfig(depth=3)), schedule=VerifySchedule(cost),
                       model_seconds=0.5, probe_every=3)
     probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
@@ -643,7 +644,8 @@ def test_block_drafter_session_has_target_distribution(kind, top_k, target_model
     start = time.perf_counter()
     schedule = None
     if kind == "dspark":
-        from selfdraft.inference.schedule import VerifyCost, VerifySchedule
+        from selfdraft.inference.costs import CostSurface
+        from selfdraft.inference.schedule import VerifySchedule
 
         class Counting(VerifySchedule):
             kept = Counter()
@@ -656,7 +658,7 @@ def test_block_drafter_session_has_target_distribution(kind, top_k, target_model
                 return out
 
         per_token = 0.008 if top_k == 1 else 0.0005  # a tree's branches are verified where tokens cost little
-        schedule = Counting(VerifyCost(tuple(0.01 + per_token * m for m in range(1, 3 * top_k + 3)), "t", "float32", "cpu", 8, {}))
+        schedule = Counting(CostSurface.row(tuple(0.01 + per_token * m for m in range(1, 3 * top_k + 3)), target="t", dtype="float32", device="cpu", context=8))
     branched = Counter()  # proposals by whether they branch
     propose = drafter.propose
 

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.inference.schedule import VerifyCost, VerifySchedule, schedule_for, verify_cost
+from selfdraft.inference.costs import CostSurface
+from selfdraft.inference.schedule import VerifySchedule, schedule_for
 from selfdraft.inference.tree import DraftTree, DraftTreeError
 
 
-def linear_cost(base: float, per_token: float, n: int = 24) -> VerifyCost:
-    return VerifyCost(tuple(base + per_token * m for m in range(1, n + 1)), "t", "float32", "cpu", 256, {})
+def linear_cost(base: float, per_token: float, n: int = 24) -> CostSurface:
+    return CostSurface.row(tuple(base + per_token * m for m in range(1, n + 1)), target="t", dtype="float32", device="cpu", context=256)
 
 
 def closed_subsets(parents):
@@ -44,7 +45,7 @@ def test_the_cut_is_the_best_tree_for_the_cost_curve():
         cut = schedule.cut(tree)
 
         def rate(keep):
-            return (1 + sum(values[i] for i in keep)) / (cost(len(keep) + 1) + schedule.draft_seconds)
+            return (1 + sum(values[i] for i in keep)) / (cost(1, len(keep) + 1) + schedule.draft_seconds)
 
         best = max(rate(k) for k in closed_subsets(parents))
         kept = [tree.token_ids.index(t) for t in cut.token_ids]
@@ -74,27 +75,3 @@ def test_bad_values_and_bad_schedules_are_refused():
         schedule_for(None, None, "sometimes")
 
 
-@pytest.mark.slow
-def test_the_cost_curve_is_measured_once_and_cached(tiny_target, tmp_path, monkeypatch):
-    from selfdraft.heads.target import load_target
-    from selfdraft.inference import schedule as schedule_module
-
-    monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path))
-    target = load_target(str(tiny_target))
-    first = verify_cost(target, 5)
-    assert len(first.seconds) == 5 and all(s > 0 for s in first.seconds)
-    assert list(first.seconds) == sorted(first.seconds)  # never falls
-    assert first.machine["cpu_flags"] is not None and first.target == target.identity.name
-    files = list((tmp_path / "costs").glob("*.json"))
-    assert len(files) == 1
-
-    def no_measuring(*args, **kwargs):
-        raise AssertionError("measured again although the curve is cached")
-
-    monkeypatch.setattr(schedule_module, "measure_verify_cost", no_measuring)
-    assert verify_cost(target, 5) == first
-    files[0].write_text("{ half a file")  # damaged: measured again and replaced
-    monkeypatch.undo()
-    monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path))
-    again = verify_cost(target, 5)
-    assert len(again.seconds) == 5 and json.loads(files[0].read_text())["seconds"] == list(again.seconds)

@@ -157,13 +157,14 @@ def test_load_target_applies_it_visibly_and_can_take_it_off(tiny_target):
     assert len(load_target(str(tiny_target), dtype="bfloat16", small_batch_kernel=True).small_batch) > 0
 
 
-def test_auto_takes_the_path_only_where_it_was_measured_faster(monkeypatch, linear_calls, caplog):
+def test_auto_takes_the_path_only_where_it_was_measured_faster(monkeypatch, linear_calls, caplog, tmp_path):
     """``auto`` (the default) times both products per weight shape and row count once per process; a
     layer takes the weight-first product only at the counts where it won, and a shape that never wins
     is not wrapped."""
     monkeypatch.delenv(small_batch.ENV)
     assert small_batch.mode() == "auto"
     monkeypatch.setattr(small_batch, "_FAST", {})
+    monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path))  # no verdicts of earlier processes
     timed = []
 
     def scripted(out_features, in_features):  # the 24 -> 40 shape wins up to 4 rows; the 40 -> 24 shape never
@@ -184,6 +185,9 @@ def test_auto_takes_the_path_only_where_it_was_measured_faster(monkeypatch, line
     assert sorted(timed) == [(24, 40), (40, 24)]  # once per shape: layers of a shape share the verdict
     small_batch.use_small_batch_matmul(nn.Linear(24, 40))
     assert len(timed) == 2
+    monkeypatch.setattr(small_batch, "_FAST", {})  # a later process: the verdicts come from disk, not a new timing
+    small_batch.use_small_batch_matmul(nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24)))
+    assert len(timed) == 2 and small_batch.fast_rows(40, 24) == {2, 3, 4} and small_batch.fast_rows(24, 40) == set()
     monkeypatch.undo()  # a real measurement answers with row counts the path serves
     measured = small_batch._measure_fast_rows(16, 8)
     assert measured <= set(small_batch.MEASURED_ROWS)

@@ -11,7 +11,7 @@ import torch
 
 from selfdraft.cli import main
 from selfdraft.errors import SelfdraftError
-from selfdraft.inference.cost_surface import CostSurface
+from selfdraft.inference.costs import CostSurface
 from selfdraft.heads.cards import sglang_adaptive_config
 from selfdraft.inference.speculation import (
     ScheduleEntry,

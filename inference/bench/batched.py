@@ -116,7 +116,7 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
 
     from selfdraft.inference.api import encode_prompt
     from selfdraft.inference.batch import batch_budgets
-    from selfdraft.inference.cost_surface import check_batch_fits
+    from selfdraft.inference.costs import check_batch_fits
     from selfdraft.machine import describe
 
     sizes = sorted(set(int(b) for b in batch_sizes))

@@ -72,7 +72,7 @@ class BlockDrafter(Drafter):
                                  f"has {text.num_hidden_layers}")
         self.drafter = on_target(drafter, target_model, f"the {kind} drafter").eval()
         self.name = kind
-        self.config = tree  # the tree it proposes; its cost is keyed by it (inference/schedule.py's drafter shape)
+        self.config = tree  # the tree it proposes; its cost is keyed by it (inference/costs.py's drafter shape)
         self.drafts = min(tree.depth, drafter.dims.drafts_per_block)
         self.valued_nodes = self.max_nodes = self.drafts if tree.top_k == 1 else tree.max_nodes
         self.embed = target_model.get_input_embeddings()

@@ -1,4 +1,4 @@
-"""The verify-cost surface T(B, m) (inference/cost_surface.py) and ``selfdraft costs``: measured on a tiny
+"""The verify-cost surface T(B, m) (inference/costs.py) and ``selfdraft costs``: measured on a tiny
 Llama, cached, read between grid points, printed and plotted; a batch beyond memory refused before
 anything is allocated, naming the largest that fits."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from selfdraft.cli import main
 from selfdraft.errors import SelfdraftError
-from selfdraft.inference import cost_surface as cs
+from selfdraft.inference import costs as cs
 
 
 def toy(seconds=((1.0, 1.0, 2.0), (2.0, 3.0, 6.0))):
@@ -70,3 +70,35 @@ def test_bad_grids_are_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         main(["costs", "--batch-sizes", "0,4"])
     assert "integers >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_batch_ones_curve_is_measured_once_and_cached_with_the_other_batch_sizes(tiny_target, tmp_path, monkeypatch):
+    """``verify_cost`` (batch 1's row) and a batched decode's grid share one cost file per target and machine:
+    a cell is measured once, a damaged file is measured again and replaced."""
+    from selfdraft.heads.target import load_target
+
+    monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path))
+    target = load_target(str(tiny_target))
+    first = cs.verify_cost(target, 5)
+    assert first.batch_sizes == (1,) and first.tokens == (1, 2, 3, 4, 5) and all(s > 0 for s in first.seconds[0])
+    assert list(first.seconds[0]) == sorted(first.seconds[0])  # never falls
+    assert first.machine["cpu_flags"] is not None and first.target == target.identity.name
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again although the costs are cached")
+
+    monkeypatch.setattr(cs, "measure_cost_surface", no_measuring)
+    assert cs.verify_cost(target, 5) == first
+    assert cs.verify_cost(target, 4).seconds[0] == first.seconds[0][:4]  # a smaller grid: the same cells
+    monkeypatch.undo()
+    monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path))
+    both = cs.cost_surface(target, (1, 2), (1, 2, 4))  # batch 2 measured; batch 1's cells kept
+    assert both.seconds[0] == (first.seconds[0][0], first.seconds[0][1], first.seconds[0][3])
+    assert list((tmp_path / "costs").glob("*.json")) == files
+    files[0].write_text("{ half a file")  # damaged: measured again and replaced
+    again = cs.verify_cost(target, 5)
+    cells = json.loads(files[0].read_text())["cells"]
+    assert [t for b, m, t in cells if b == 1] == list(again.seconds[0])
