@@ -111,12 +111,9 @@ class BlockConfig:
 
     block_size: int = 4
     """Slots per block, the anchor included: DFlash drafts block_size - 1 tokens, DSpark block_size. 4 by
-    measurement: at 15 CPU-minutes DFlash trained twice the steps of block 8 and accepted more
-    (docs/block-drafters.md, "At equal compute")."""
+    measurement: docs/results/block-drafters.md."""
     num_layers: int = 1
-    """Draft layers (Qwen3 layers shaped like the target). 1 by measurement: at 15 CPU-minutes DFlash
-    block 4 with 2 layers trained 1,019 steps to 1 layer's 1,605 and held out less at the first
-    position (0.317 against 0.342; predicted tau 1.38 against 1.42; docs/block-drafters.md)."""
+    """Draft layers (Qwen3 layers shaped like the target). 1 by measurement: docs/results/block-drafters.md."""
     target_layers: list[int] = field(default_factory=list)
     """The fused target layers, as transformers ``hidden_states`` indices (i + 1 is decoder layer i's
     output); empty: three spread from the second layer to the fourth-last, as z-lab's DFlash picks them.
@@ -228,7 +225,7 @@ class TrainConfig:
     micro batches, so the data order, the losses and the gradients are those of the unpacked batch (to
     float rounding). It pays where conversations are much shorter than the longest of their batch; the
     drafter's attention is dense over a row, so rows far longer than ``data.max_length`` cost more
-    than the padding they save (README, "Where a training step's time goes")."""
+    than the padding they save (by measurement: docs/results/training-profiles.md)."""
     render_processes: int = 1
     """Processes that render (tokenise) the conversations in parallel; the split is the same for any
     number."""

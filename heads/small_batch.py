@@ -4,7 +4,7 @@ A tree verification runs the target over a handful of tokens (2-64 rows), and an
 top_k rows per depth. On a CPU, ``F.linear(x, W)`` with a few rows takes a general matrix-multiply path
 that costs far more than its one-row matrix-vector path; the same product with the weight as the left
 operand, ``(W @ x.T).T``, stays close to the one-row cost. Verifying a small tree then costs about what
-one decoding step costs, which is what makes drafting pay on a CPU (docs/benchmarks.md has the figures).
+one decoding step costs, which is what makes drafting pay on a CPU (by measurement: docs/results/decoding.md).
 
 :meth:`SmallBatchMatmul.apply` gives every ``nn.Linear`` of a module that path for float32 CPU inputs
 of 2-64 rows, and returns a handle whose :meth:`~SmallBatchMatmul.remove` gives the layers back their

@@ -10,13 +10,14 @@ measured seconds are charged to every arm that reads it). As ``selfdraft quickst
 times its first steps and then fixes ``train.max_steps`` so that the steps fill what is left of the
 budget; loading, evaluation and benching come on top. An arm compared with a cache arm that ran in
 another session (the factors below) times that arm's step again and rescales the budget to the
-machine's speed today: the same kind of machine ran the same cached step in 1.76 s one session and
-1.34 s another, which a budget in seconds would have turned into more steps for the later arm. The factors:
+machine's speed today: the same kind of machine ran the same cached step at different speeds in
+different sessions (docs/results/recipe-sweep.md), which a budget in seconds would have turned into
+more steps for the later arm. The factors:
 
 * **data reuse**: online features, one pass over as many conversations as the budget reaches, against
   a feature cache of fewer conversations read for E epochs (``cache-e2``, ``cache-e4``): the cache
-  costs the target's forward once per conversation, an epoch over it about 40% of an online pass
-  (README, "Where a training step's time goes");
+  costs the target's forward once per conversation, an epoch over it a fraction of an online pass
+  (docs/results/training-profiles.md);
 * learning rate, training-time-test steps and draft vocabulary size, on the best data-reuse setting's
   cache (the features do not depend on them);
 * **data**: ShareGPT answers as they are, or the target's own answers (``selfdraft distill`` of the
@@ -239,9 +240,9 @@ class Sweep:
                                      "conversations_per_step": costs.conversations_per_step,
                                      "step_seconds": [round(x, 3) for x in first.step_seconds]}
             # Equal compute across sessions: the arm this one is compared with, timed again now, gives the
-            # machine's speed today against the session it ran in (the same cached step took 1.76 s in one
-            # session and 1.34 s in another on the same kind of machine); the budget and a cache written
-            # then are rescaled to today's seconds before they buy steps.
+            # machine's speed today against the session it ran in (the same cached step's time varies
+            # between sessions on the same kind of machine); the budget and a cache written then are
+            # rescaled to today's seconds before they buy steps.
             reference = cache if record.get("features_from") else best if arm.get("data") == "distilled" else None
             budget, charged = self.budget, feature_seconds
             if reference:

@@ -1,7 +1,7 @@
 """What this machine's processor can do fast: the vector extensions that decide CPU speed here.
 
-Machines of the project's kind differ (FACTS.md): AVX2 only, where bf16 matmuls are slower than fp32,
-or AVX-512 with native bf16 (``avx512_bf16``, ``amx_bf16``), where bf16 is about twice as fast.
+Machines of the project's kind differ: AVX2 only, where bf16 matmuls are slower than fp32, or AVX-512
+with native bf16 (``avx512_bf16``, ``amx_bf16``), where bf16 is faster (docs/results/training-profiles.md).
 Benchmarks record :func:`cpu_flags` with every figure, and training's ``mixed_precision: auto`` picks
 bf16 autocast on a CPU only where :func:`cpu_has_bf16` is true.
 

@@ -63,7 +63,7 @@ def smollm2_tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def embedded_fp32():
-    """SmolLM2-135M-Instruct in float32: token identity is checked in fp32 (FACTS.md)."""
+    """SmolLM2-135M-Instruct in float32: token identity is checked in fp32 (docs/exactness.md)."""
     from selfdraft.heads.target import load_target
 
     return load_target("smollm2-135m", dtype="float32")

@@ -1,4 +1,4 @@
-"""README and docs/ name only files the repository has, and point nowhere outside it.
+"""README and docs/ (docs/results/ included) name only files the repository has, and point nowhere outside it.
 
 Every repository path they name (``heads/...``, ``tests/...``, ``scripts/...``, ...) and every relative
 link must exist; the files README's layout section lists beside each folder must be in that folder.
@@ -9,7 +9,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # docs/results/ included
 TOP = ("heads", "train", "inference", "configs", "selfdraft", "scripts", "tests", "docs", ".ci")
 REPO_PATH = re.compile(r"(?<![\w/.~-])((?:%s)/[\w./-]*[\w/])" % "|".join(re.escape(t) for t in TOP))
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")

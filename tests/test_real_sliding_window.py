@@ -15,7 +15,7 @@ window - 16 tokens (the answer crosses the window there): one prompt alone and b
 of different lengths). Each must equal ``model.generate(do_sample=False)`` token for token.
 
 NEW_TOKENS is 32 (both prompts still run past the window) to keep the file to a few minutes on a
-2-core CPU; docs/families.md gives the measured times.
+2-core CPU; docs/results/decoding.md gives the measured times.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ seconds of target forward and ``c`` seconds of everything else per conversation 
 So a cache pays exactly when the run reads its conversations more than once, and then it saves
 ``(E - 1) N f``. Whether a fixed budget is better spent on one online pass over many conversations
 or on several epochs over a cached subset is a question of drafter quality, not of arithmetic: the
-recipe sweep (``scripts/recipe_sweep.py``, README "The recipe from evidence") measures it, and
+recipe sweep (``scripts/recipe_sweep.py``, docs/results/recipe-sweep.md) measures it, and
 :data:`BUDGET_EPOCHS` holds its answer for :func:`plan_budget`.
 
 * :func:`plan_budget` turns a budget and measured step costs into a plan (the quickstart's first
@@ -40,8 +40,8 @@ logger = logging.getLogger(__name__)
 
 BUDGET_EPOCHS = 3.0
 """Epochs over a cached subset that :func:`plan_budget` spends a budget on (1: one online pass over as
-many conversations as the budget reaches). The recipe sweep's answer (README, "The recipe from
-evidence"): about three epochs over a cached subset trained as well as one online pass over more
+many conversations as the budget reaches). The recipe sweep's answer (docs/results/recipe-sweep.md):
+about three epochs over a cached subset trained as well as one online pass over more
 conversations in the same time, and more epochs than that did worse; a cache buys steps more than
 accuracy."""
 

@@ -95,10 +95,9 @@ class BlockObjective(DrafterObjective):
     DIMS: type[BlockDims] = DFlashDims
     budget_epochs = 8.0
     """A block drafter's step costs a fraction of the target's forward, and its held-out accuracy still
-    rose at 7 and 19 epochs over one cache (docs/block-drafters.md, the 15- and 30-minute arms). In the
-    15-minute quickstart 8 epochs over 703 conversations trained DFlash as well as 3 over 1,354 (greedy
-    chain tau 1.30 / 1.29 against 1.27 / 1.29 on 16 MT-bench / HumanEval prompts) from half the cache
-    (2.8 GB against 5.5 GB, 288 s of writing against 495 s; docs/quickstart.md)."""
+    rose after many epochs over one cache; in the 15-minute quickstart 8 epochs over a cache trained
+    DFlash as well as 3 over one twice the size (by measurement: docs/results/block-drafters.md,
+    docs/results/quickstart.md)."""
     budget_evidence = "trained DFlash as well as 3 in the quickstart, from half the cache"
 
     def __init__(self, run: RunConfig, target_model: nn.Module, train_data=None,
