@@ -693,25 +693,25 @@ class Check:
 
 # --- the prediction ----------------------------------------------------------------------------------
 
-def _interpolate(curve: dict[str, dict], m: float) -> float:
-    """The tree forward's milliseconds at M tokens, linear between the measured sizes (clamped)."""
+def _surface(curve: dict[str, dict]):
+    """The measured curve as batch 1's row of the product's cost model (seconds; one interpolation for all)."""
+    from selfdraft.inference.costs import CostSurface
+
     points = sorted((int(k), v["tree"] if v["tree"] is not None else v["chain"]) for k, v in curve.items())
-    if m <= points[0][0]:
-        return points[0][1]
-    for (m0, t0), (m1, t1) in zip(points, points[1:]):
-        if m <= m1:
-            return t0 + (t1 - t0) * (m - m0) / (m1 - m0)
-    return points[-1][1]
+    return CostSurface.row([ms / 1e3 for _, ms in points], [m for m, _ in points])
 
 
 def predict(bench_json: pathlib.Path, gpu_json: pathlib.Path, context: str | None = None) -> list[dict]:
     """For each drafter row of a CPU bench at temperature 0: the speed-up its acceptance length gives with
-    the GPU's verify cost (and, for EAGLE rows, the measured EAGLE-3 proposal cost at its depth)."""
+    the GPU's verify cost (and, for EAGLE rows, the measured EAGLE-3 proposal cost at its depth), by the
+    product's own cost model (inference/costs.py)."""
+    from selfdraft.inference.costs import speedup
+
     bench = json.loads(pathlib.Path(bench_json).read_text())
     gpu = json.loads(pathlib.Path(gpu_json).read_text())["sections"]
     curves = gpu["verify_cost"]["verify_ms"]
     context = context or max(curves, key=int)
-    curve = curves[context]
+    cost = _surface(curves[context])
     propose = gpu.get("drafter_cost", {}).get("eagle3_propose", {})
     rows = []
     for r in bench["rows"]:
@@ -721,12 +721,12 @@ def predict(bench_json: pathlib.Path, gpu_json: pathlib.Path, context: str | Non
         eagle = "eagle" in r["method"] and not r["method"].startswith("vllm")
         draft_ms = propose.get(str(depth), {}).get("ms", 0.0) if eagle else 0.0
         nodes = r["draft_nodes_per_step"]
-        step_ms = _interpolate(curve, 1 + nodes) + draft_ms
-        speedup = r["acceptance_length"] * _interpolate(curve, 1) / step_ms
+        verify_ms, plain_ms = 1e3 * cost(1, 1 + nodes), 1e3 * cost(1, 1)
+        predicted = speedup(r["acceptance_length"], verify_ms + draft_ms, plain_ms)
         rows.append({"task": r["task"], "method": r["method"], "tau": round(r["acceptance_length"], 3),
-                     "nodes": round(nodes, 1), "depth": depth, "verify_ms": round(_interpolate(curve, 1 + nodes), 3),
-                     "draft_ms": round(draft_ms, 3), "plain_ms": round(_interpolate(curve, 1), 3),
-                     "predicted_speedup": round(speedup, 2), "cpu_speedup": round(r["speedup"], 2), "context": int(context)})
+                     "nodes": round(nodes, 1), "depth": depth, "verify_ms": round(verify_ms, 3),
+                     "draft_ms": round(draft_ms, 3), "plain_ms": round(plain_ms, 3),
+                     "predicted_speedup": round(predicted, 2), "cpu_speedup": round(r["speedup"], 2), "context": int(context)})
     return rows
 
 
