@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfdraft.files import write_atomic
+from selfdraft.files import cache_root, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +120,7 @@ def _verdict_file() -> pathlib.Path:
     from selfdraft.machine import describe
 
     key = json.dumps(describe("cpu"), sort_keys=True, default=str)
-    root = pathlib.Path(os.path.expanduser(os.environ.get("SELFDRAFT_CACHE") or "~/.cache/selfdraft"))
-    return root / "costs" / f"few-row-kernel-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return cache_root() / "costs" / f"few-row-kernel-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def fast_rows(out_features: int, in_features: int) -> frozenset[int]:

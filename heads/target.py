@@ -177,8 +177,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
 
 def target_cache_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """``<cache_dir or $SELFDRAFT_CACHE or ~/.cache/selfdraft>/targets`` (not created here)."""
-    root = cache_dir or os.environ.get("SELFDRAFT_CACHE") or "~/.cache/selfdraft"
-    return pathlib.Path(root).expanduser() / "targets"
+    from selfdraft.files import cache_root
+
+    return cache_root(cache_dir) / "targets"
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase | None) -> str:

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from selfdraft.errors import SelfdraftError
-from selfdraft.files import write_atomic
+from selfdraft.files import cache_root, write_atomic
 from selfdraft.machine import available_host_bytes, describe
 
 COST_CONTEXT = 256
@@ -216,7 +216,7 @@ def measure_cost_surface(target, batch_sizes, tokens, *, context: int = COST_CON
 
 def cost_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """The folder of the cached costs: ``cache_dir``, else ``$SELFDRAFT_CACHE/costs``, else ``~/.cache/selfdraft/costs``."""
-    return pathlib.Path(os.path.expanduser(cache_dir or os.environ.get("SELFDRAFT_CACHE") or "~/.cache/selfdraft")) / "costs"
+    return cache_root(cache_dir) / "costs"
 
 
 def _cost_file(target, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:

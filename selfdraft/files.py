@@ -14,6 +14,11 @@ import pathlib
 import tempfile
 
 
+def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """selfdraft's cache folder: ``cache_dir``, else ``$SELFDRAFT_CACHE``, else ``~/.cache/selfdraft`` (not created here)."""
+    return pathlib.Path(cache_dir or os.environ.get("SELFDRAFT_CACHE") or "~/.cache/selfdraft").expanduser()
+
+
 def _umask() -> int:
     # /proc (Linux >= 4.7) reads the mask without changing it; os.umask() must set it to read it,
     # which for a moment changes the mode of files that other threads create.
