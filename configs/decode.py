@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 from selfdraft.errors import SelfdraftError
 
+POLICIES = ("auto", "adaptive", "cut", "fixed", "profile")
+"""The drafting policies (inference/policy.py says what each does); ``auto`` is the default."""
+
 
 @dataclass(frozen=True)
 class DecodeConfig:

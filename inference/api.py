@@ -19,10 +19,9 @@ from typing import Sequence
 
 from selfdraft.configs.decode import DecodeConfig, PromptLookupConfig, TreeConfig
 from selfdraft.errors import SelfdraftError
-from selfdraft.inference.adaptive import throttle_for
 from selfdraft.inference.decode import speculative_decode
 from selfdraft.inference.drafters import Drafter
-from selfdraft.inference.schedule import schedule_for
+from selfdraft.inference.policy import FIXED, legacy_policy, policy_for
 from selfdraft.inference.specs import make_drafter
 from selfdraft.inference.session import CausalLMSession
 
@@ -45,7 +44,7 @@ class GenerationResult:
     depth_acceptance: dict[int, float]
     """Draft depth d -> share of verification steps with a depth-d draft that accepted a token there."""
     draft_nodes_per_step: float
-    """Draft nodes verified per step (after the schedule's cut)."""
+    """Draft nodes verified per step (after the drafting policy's cut)."""
     proposed_nodes_per_step: float
     """Draft nodes the drafter proposed per step (before the cut)."""
     seconds: float
@@ -55,7 +54,7 @@ class GenerationResult:
     drafted_steps: int
     """Verification steps that ran the drafter."""
     skipped_steps: int
-    """Plain steps the adaptive throttle chose because drafting did not pay for this prompt (``adaptive="on"``)."""
+    """Plain steps the drafting policy chose because drafting did not pay (``policy="adaptive"``)."""
     stop_reason: str
     drafter: str
     decode: dict = field(default_factory=dict)
@@ -97,8 +96,9 @@ def generate(
     dtype: str = "auto",
     device: str = "cpu",
     prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
-    schedule: str = "confidence",
-    adaptive: str = "on",
+    policy: str = "auto",
+    schedule: str | None = None,
+    adaptive: str | None = None,
 ) -> GenerationResult:
     """Decode one prompt with a drafter and return the text and acceptance statistics.
 
@@ -109,11 +109,11 @@ def generate(
     ``acceptance="typical"`` is Medusa's LOSSY typical acceptance (sampling only). ``tree`` sets a
     trained drafter folder's tree (a :class:`TreeConfig`, or a dict of the fields to change in its
     stored tree, e.g. ``{"max_nodes": 8}``: a Medusa drafter then rebuilds its sparse tree for that node
-    budget from its stored accuracies). ``schedule="confidence"`` (the default) verifies only the part
-    of a block drafter's block worth verifying on this machine (inference/schedule.py); ``"off"``
-    verifies every draft. ``adaptive="on"`` (the default) drafts only while drafting pays for this prompt,
-    by this machine's measured costs, and probes now and then once it stops (inference/adaptive.py);
-    ``"off"`` drafts every step.
+    budget from its stored accuracies). ``policy`` decides how much to draft (inference/policy.py):
+    ``auto``/``adaptive`` (the default) drafts only while drafting pays for this prompt by this machine's
+    measured costs, probing now and then once it stops, and verifies only the part of a valued tree worth
+    verifying; ``cut`` only the latter; ``fixed`` the drafter's whole tree every step. ``schedule`` and
+    ``adaptive`` are the previous release's options, kept one release as aliases (with a warning).
     """
     config = DecodeConfig(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -126,14 +126,23 @@ def generate(
     if (prompt is None) == (input_ids is None):
         raise SelfdraftError("give exactly one of prompt (text) or input_ids")
     ids = list(input_ids) if input_ids is not None else encode_prompt(target.tokenizer, prompt, chat)
+    policy = legacy_policy(adaptive=adaptive, schedule=schedule) or policy
+    folder = drafter if isinstance(drafter, str) else None
     drafter = make_drafter(drafter, target, tree=tree, prompt_lookup=prompt_lookup)
 
     session = CausalLMSession(target.model, hidden_layers=drafter.hidden_layers)
     out = speculative_decode(
         session, ids, drafter, config, eos_token_ids=target.eos_token_ids, max_context=target.max_context,
-        schedule=schedule_for(target, drafter, schedule), throttle=throttle_for(target, drafter, adaptive),
+        policy=policy_for(target, drafter, policy, folder=_folder(folder)),
     )
     return _result(target, ids, out, drafter, config)
+
+
+def _folder(spec: str | None) -> str | None:
+    """The drafter folder a drafter spec names, if it is one (its speculation profile may apply)."""
+    import os
+
+    return spec if spec is not None and os.path.isdir(spec) else None
 
 
 def _result(target, ids: list[int], out, drafter: Drafter, config: DecodeConfig) -> GenerationResult:
@@ -183,24 +192,24 @@ def generate_batch(
     dtype: str = "auto",
     device: str = "cpu",
     prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
-    speculation: str = "auto",
+    policy: str = "auto",
+    speculation: str | None = None,
 ) -> list[GenerationResult]:
     """Decode several prompts together, one target forward per step for all of them (inference/batch.py),
     and return one result per prompt, in order. Each row is exact as :func:`generate` is; a row's
     ``seconds`` is the time until it finished.
 
-    Options as :func:`generate`; ``seeds``: one per prompt, or one int for every row. ``speculation="auto"``
+    Options as :func:`generate`; ``seeds``: one per prompt, or one int for every row. ``policy="auto"``
     (the default) follows the drafter folder's ``speculation_profile.json`` (``selfdraft costs --drafter``):
     per live batch size the drafts it found to pay, none where drafting does not pay; for any other drafter
-    the batch drafts while drafting pays at the live batch size by this machine's measured costs
-    (:class:`~selfdraft.inference.batch.BatchThrottle`). ``"off"`` drafts the drafter's own tree at every
-    step. The confidence schedule of :func:`generate` acts at batch 1.
+    it is ``adaptive``: the batch drafts while drafting pays at the live batch size by this machine's
+    measured costs, and valued trees are cut to what pays there (inference/policy.py). ``"fixed"`` drafts
+    the drafter's own tree at every step. ``speculation`` is the previous release's option (an alias).
     """
-    from selfdraft.inference.batch import BatchSession, batch_budgets, batched_decode
+    from selfdraft.inference.batch import BatchSession, batched_decode
     from selfdraft.inference.costs import check_batch_fits
 
-    if speculation not in ("auto", "off"):
-        raise SelfdraftError(f"speculation must be auto or off, got {speculation!r}")
+    policy = legacy_policy(speculation=speculation) or policy
     if isinstance(target, str):
         from selfdraft.heads.target import load_target
 
@@ -215,11 +224,11 @@ def generate_batch(
                           seed=per_row[0] if per_row else None, stop_on_eos=stop_on_eos, acceptance=acceptance)
     if ids:
         check_batch_fits(target.model, len(ids), max(map(len, ids)) + max_new_tokens)
-    folder = drafter if isinstance(drafter, str) else None
+    folder = _folder(drafter) if isinstance(drafter, str) else None
     drafter = make_drafter(drafter, target, tree=tree, prompt_lookup=prompt_lookup)
-    budget = batch_budgets(target, drafter, folder)(len(ids)) if speculation == "auto" and ids else None
+    rule = policy_for(target, drafter, policy, folder=folder, rows=len(ids)) if ids else FIXED
     session = BatchSession(target.model, hidden_layers=drafter.hidden_layers)
     outs = batched_decode(session, ids, drafter, config, seeds=per_row, eos_token_ids=target.eos_token_ids,
-                          max_context=target.max_context, nodes_for_batch=budget)
+                          max_context=target.max_context, policy=rule)
     return [_result(target, row, out, drafter, dataclasses.replace(config, seed=seed))
             for row, out, seed in zip(ids, outs, per_row)]

@@ -2,7 +2,7 @@
 
 Why a batch: a step of a small model on a CPU (or any model on a GPU) is bound by reading the weights,
 so B rows cost far less than B steps; speculative decoding spends the same spare compute on draft
-tokens, which is why its gain shrinks as the batch grows (inference/speculation.py plans for that).
+tokens, which is why its gain shrinks as the batch grows (inference/policy.py weighs it at the live batch size).
 
 The cache (a :class:`BatchSession`): one ``DynamicCache`` of shape (B, H, S, D) whose slots are shared
 by position in the tensor, not by position in the text. Each row has its own length (its next position
@@ -30,21 +30,19 @@ block drafters; EAGLE-1 and EAGLE-3 one per tree depth, all rows in lockstep), r
 
 from __future__ import annotations
 
-import os
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from selfdraft.configs.decode import DecodeConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.heads.target_layers import TargetLayers
-from selfdraft.inference.adaptive import Throttle, cheap_nodes
-from selfdraft.inference.costs import pays
 from selfdraft.inference.decode import (
     DecodeOutput, DecodeStats, SampleRule, accept, committed_tokens, sampling_generator, tree_buffers, verified,
 )
 from selfdraft.inference.drafters import Drafter
+from selfdraft.inference.policy import FIXED, DraftPolicy
 from selfdraft.inference.session import StepOutput
 from selfdraft.inference.tree import DraftTree, TreeBuffers
 from selfdraft.inference.verify import choose_token, sample_verify
@@ -206,136 +204,6 @@ class _Row:
         self.seconds = 0.0
 
 
-NodeBudget = Callable[[int], "int | None"]
-"""Live batch size -> the most draft nodes per row this step (0: a plain step; None: the drafter's tree).
-One with a ``live(ids, remaining)`` method hears, before each step, which rows (by their index in the
-batch) step and how many tokens each may still emit; one with ``record(rows, width, emitted, ids)`` hears
-what each drafted step bought."""
-
-
-class BatchThrottle:
-    """When a batch drafts, for a drafter without a speculation profile: the batch's counterpart of the
-    per-request throttle of inference/adaptive.py, with the costs of the live batch size.
-
-    A drafted step of B rows costs the target's forward over every row's root and the widest tree, T(B,
-    w + 1) on this machine's measured :class:`~selfdraft.inference.costs.CostSurface`, plus the
-    step's proposals D(B) (``draft_seconds``: B times one proposal for a drafter that drafts row by row,
-    measured batches for a batched one); a plain step costs T(B, 1). A batch whose rows do not refill
-    lasts as long as its slowest row: with R_i tokens left to row i and E_i its running mean of tokens per
-    drafted step, drafting takes about max_i R_i / E_i steps where plain decoding takes max_i R_i. The batch
-    drafts while (max_i R_i / E_i) (T(B, w + 1) + D(B)) (1 - slack) <= (max_i R_i) T(B, 1), with the E_i and
-    w running means over the drafted steps (exponentially weighted, about the last 20; a row without its
-    own yet takes the batch's mean) and B the rows live now, so one decision can turn as rows leave (one
-    row that accepts nothing keeps a batch from paying for drafts its other rows would win on). It drafts
-    until ``min_drafted`` row-steps have drafted (a step of B rows is B of them: a large batch learns in
-    fewer steps); once drafting stops paying it decodes plain steps and probes after ``first_wait`` of
-    them, twice as long after each probe that does not pay, up to ``longest_wait``; learning steps and
-    probes verify only the draft nodes that cost at most 15% more than a plain step (:meth:`cheap`). The
-    defaults are the per-request throttle's. Decisions read costs measured once and what the target
-    accepted, never a clock: seeded sampled runs stay reproducible, and every row stays exact.
-    """
-
-    def __init__(self, surface, draft_seconds: float | Callable[[int], float], *, memory: float = Throttle.memory,
-                 slack: float = Throttle.slack, min_drafted: int = Throttle.min_drafted,
-                 first_wait: int = Throttle.first_wait, longest_wait: int = Throttle.longest_wait):
-        self.surface = surface
-        # rows -> seconds of one step's proposals: a number is one proposal's, made row by row
-        self.draft_seconds = draft_seconds if callable(draft_seconds) else (lambda rows, d=float(draft_seconds): rows * d)
-        self.memory, self.slack, self.min_drafted = memory, slack, min_drafted
-        self.first_wait, self.longest_wait = first_wait, longest_wait
-        self.tokens = 0.0  # running mean of the tokens a row emits per drafted step
-        self.width = 0.0  # running mean of the widest tree's draft nodes per drafted step
-        self.drafted = 0  # drafted steps
-        self.samples = 0  # drafted row-steps
-        self.wait = 0
-        self.interval = first_wait
-        self.row_tokens: dict[int, float] = {}  # per row index: running mean of its tokens per drafted step
-        self.row_drafted: dict[int, int] = {}
-        self.rows_left: list[tuple[int, int]] = []  # (row index, tokens it may still emit) of the rows stepping
-        self._cheap: dict[int, int] = {}
-
-    def live(self, ids: Sequence[int], remaining: Sequence[int]) -> None:
-        self.rows_left = list(zip(ids, remaining))
-
-    def pays(self, rows: int) -> bool:
-        cost = self.surface(rows, self.width + 1) + self.draft_seconds(rows)
-        if not self.rows_left:  # nothing known of the rows: the mean
-            return pays(self.tokens, cost, self.surface(rows, 1), self.slack)
-        plain = max(left for _, left in self.rows_left)  # steps the batch lasts plainly, and drafting:
-        drafted = max(left / max(self.row_tokens.get(i, self.tokens), 1.0) for i, left in self.rows_left)
-        return drafted == 0 or pays(plain / drafted, cost, self.surface(rows, 1), self.slack)
-
-    def learning(self) -> bool:
-        return self.samples < self.min_drafted
-
-    def cheap(self, rows: int) -> int:
-        """The draft nodes per row that cost at most 15% more than a plain step at this batch size (at least
-        one): what a learning step or a probe verifies, so finding out costs little where verifying is dear."""
-        if rows not in self._cheap:
-            self._cheap[rows] = cheap_nodes(self.surface, rows)
-        return self._cheap[rows]
-
-    def __call__(self, rows: int) -> int | None:
-        if self.learning():
-            return self.cheap(rows)
-        if self.pays(rows):
-            return None
-        if self.wait > 0:
-            self.wait -= 1
-            return 0
-        self.wait = self.interval  # a probe; record() shortens the wait again if it paid
-        return self.cheap(rows)
-
-    def record(self, rows: int, width: int, emitted: Sequence[int], ids: Sequence[int] = ()) -> None:
-        """A drafted step of ``rows`` rows verified trees of at most ``width`` nodes; the i-th row (index
-        ``ids[i]`` in the batch) emitted ``emitted[i]`` tokens (accepted drafts + 1)."""
-        paid_before = self.learning() or self.pays(rows)
-        self.drafted += 1
-        self.samples += len(emitted)
-        w = max(1.0 - self.memory, 1.0 / self.drafted)
-        self.tokens += w * (sum(emitted) / len(emitted) - self.tokens)
-        self.width += w * (width - self.width)
-        for i, e in zip(ids, emitted):
-            n = self.row_drafted[i] = self.row_drafted.get(i, 0) + 1
-            mean = self.row_tokens.get(i, e)
-            self.row_tokens[i] = mean + max(1.0 - self.memory, 1.0 / n) * (e - mean)
-        self.rows_left = [(i, left - e) for (i, left), e in zip(self.rows_left, emitted)] if self.rows_left else []
-        if self.learning() or self.pays(rows):
-            self.interval, self.wait = self.first_wait, 0
-        elif paid_before:  # it just stopped paying: plain steps, then a first probe
-            self.interval = self.wait = self.first_wait
-        else:  # a probe that did not pay: wait twice as long before the next
-            self.interval = min(2 * self.interval, self.longest_wait)
-            self.wait = self.interval
-
-
-def batch_throttle_for(target, drafter: Drafter, rows: int) -> BatchThrottle | None:
-    """The :class:`BatchThrottle` of ``drafter`` with ``target`` for a batch of up to ``rows`` rows: this
-    machine's cost surface (measured once per grid and cached) and the drafter's measured proposal time
-    (a batched drafter's measured at batch 1 and the grid's largest batch, linear between and beyond);
-    None for a drafter that never drafts."""
-    from selfdraft.inference.costs import batch_draft_cost, cost_surface
-
-    if drafter.max_nodes <= 0:
-        return None
-    batches = tuple(sorted({1, 4, 16} | ({rows} if rows > 16 else set())))
-    tokens = tuple(sorted({1, 2, 4, 8, 16, 32} | ({drafter.max_nodes + 1} if drafter.max_nodes >= 32 else set())))
-    return BatchThrottle(cost_surface(target, batches, tokens), batch_draft_cost(target, drafter, batches))
-
-
-def batch_budgets(target, drafter: Drafter, folder: str | None) -> Callable[[int], NodeBudget | None]:
-    """rows -> the node budget of one batch of ``drafter``: the speculation schedule of ``folder``'s profile
-    where it has one (read and checked once), else a fresh :class:`BatchThrottle` per batch (None for a
-    drafter that never drafts)."""
-    from selfdraft.inference.speculation import read_profile, schedule_budget
-
-    profile = read_profile(folder) if folder is not None and os.path.isdir(folder) else None
-    if profile is not None:
-        schedule = schedule_budget(profile, target)
-        return lambda rows: schedule
-    return lambda rows: batch_throttle_for(target, drafter, rows)
-
-
 def batched_decode(
     session: BatchSession,
     prompts: Sequence[Sequence[int]],
@@ -345,7 +213,7 @@ def batched_decode(
     seeds: Sequence[int | None] | None = None,
     eos_token_ids: Sequence[int] = (),
     max_context: int | None = None,
-    nodes_for_batch: NodeBudget | None = None,
+    policy: DraftPolicy = FIXED,
     sample_rule: SampleRule = sample_verify,
 ) -> list[DecodeOutput]:
     """Generate up to ``config.max_new_tokens`` tokens after each prompt, all rows in one target forward
@@ -354,8 +222,9 @@ def batched_decode(
 
     Each row's greedy output equals its own batch-1 output; sampled rows keep the target's distribution,
     row by row. ``seeds``: one per prompt (default: ``config.seed`` for every row, so a row decodes as
-    the same prompt alone with that seed would). ``nodes_for_batch``: the node budget per row for the
-    current number of live rows (the speculation schedule's; 0 switches drafting off at that size).
+    the same prompt alone with that seed would). ``policy``: whether the live rows draft and what part
+    of each row's tree is verified, at the live batch size (inference/policy.py; default: every row's whole
+    tree every step).
     """
     prompts = [list(p) for p in prompts]
     if not prompts:
@@ -389,11 +258,11 @@ def batched_decode(
             row.stop_reason = "eos"
         rows.append(row)
     live = _finish(session, rows, config, max_context, start)
+    run = policy.run(len(rows))
 
     while live:
-        if hasattr(nodes_for_batch, "live"):
-            nodes_for_batch.live([row.index for row in live], [config.max_new_tokens - len(row.emitted) for row in live])
-        budget = nodes_for_batch(len(live)) if nodes_for_batch is not None else None
+        ids = [row.index for row in live]
+        budget = run.plan(ids, [config.max_new_tokens - len(row.emitted) for row in live])
         if budget == 0:  # drafting does not pay at this batch size: a plain step
             proposed = [DraftTree.empty()] * len(live)
             for row in live:
@@ -407,21 +276,23 @@ def batched_decode(
                 row.stats.draft_seconds += share
                 row.stats.drafted_steps += 1
                 proposed.append(tree)
-        trees, buffers = [], []
+        trees = []
         for i, (row, tree) in enumerate(zip(live, proposed)):
             remaining = config.max_new_tokens - len(row.emitted)
             row.stats.proposed_nodes += tree.num_nodes
             max_depth = remaining - 1
             if max_context is not None:
                 max_depth = min(max_depth, max_context - 1 - session.lengths[i])
-            tree = tree.prune(max_depth=max_depth, max_nodes=tree.num_nodes if budget is None else min(budget, tree.num_nodes))
-            if not session.trees:  # a recurrent target verifies one chain per row
-                tree = tree.best_path()
-            trees.append(tree)
-            buffers.append(tree_buffers(tree))
+            trees.append(tree.prune(max_depth=max_depth, max_nodes=tree.num_nodes if budget is None else min(budget, tree.num_nodes)))
+        drafted = budget != 0
+        step_seconds = [drafter.step_seconds(row.state) for row in live] if drafted else []
+        if drafted:  # what is worth verifying at this batch size
+            trees = run.verify(trees, step_seconds)
+        if not session.trees:  # a recurrent target verifies one chain per row
+            trees = [tree.best_path() for tree in trees]
+        buffers = [tree_buffers(tree) for tree in trees]
 
         outs = session.verify([row.sequence[-1] for row in live], trees, buffers)
-        drafted = budget != 0
         keeps, news = [], []
         for row, tree, b, out in zip(live, trees, buffers, outs):
             row.stats.target_forwards += 1
@@ -435,15 +306,14 @@ def batched_decode(
             row.stats.count_step(tree, b, accepted, new)
             news.append(new)
         session.commit(keeps)
-        if drafted and hasattr(nodes_for_batch, "record"):
-            nodes_for_batch.record(len(live), max(t.num_nodes for t in trees), [len(k) for k in keeps],
-                                   [row.index for row in live])
+        if drafted:
+            run.record(ids, trees, [len(k) for k in keeps], step_seconds)
 
-        for row, keep, new, out in zip(live, keeps, news, outs):
+        for row, keep, new, out, tree in zip(live, keeps, news, outs, trees):
             if row.stop_reason == "eos":
                 continue
             t0 = time.perf_counter()
-            row.state = drafter.observe(row.state, verified(out, keep, new))
+            row.state = drafter.observe(row.state, verified(out, keep, new, tree))
             row.stats.draft_seconds += time.perf_counter() - t0
         live = _finish(session, live, config, max_context, start)
 

@@ -13,7 +13,7 @@ cached as JSON under ``$SELFDRAFT_CACHE`` (default ``~/.cache/selfdraft``)/``cos
 A drafted step that verifies m - 1 draft nodes per row and emits E tokens per row on average costs
 T(B, m) + D(B) and a plain step T(B, 1) for one token per row, so drafting pays when
 :func:`speedup` = E T(B, 1) / (T(B, m) + D(B)) is above 1 (:func:`pays`, with a slack). Every decision
-about how much to draft (the adaptive throttle, the value cut, the speculation schedule, the hybrid's
+about how much to draft (the drafting policy of inference/policy.py, the speculation schedule, the hybrid's
 split between copying and its drafter) reads these two costs and this one test. They are measured
 once, never read off a clock during decoding, so the decisions depend only on what the target accepted
 and a seeded sampled run is reproducible.
@@ -306,7 +306,7 @@ def _drafter_shape(drafter) -> dict:
     shapes = sorted(f"{name}.{n}:{tuple(p.shape)}:{p.dtype}:{p.device}" for name, m in modules(drafter)
                     for n, p in m.named_parameters())
     return {"class": f"{type(drafter).__module__}.{type(drafter).__qualname__}", "name": drafter.name,
-            "max_nodes": drafter.max_nodes, "valued_nodes": drafter.valued_nodes,
+            "max_nodes": drafter.max_nodes,
             "hidden_layers": list(drafter.hidden_layers), "config": repr(getattr(drafter, "config", None)),
             "parameters": hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]}
 

@@ -23,9 +23,8 @@ import torch
 
 from selfdraft.configs.decode import DecodeConfig
 from selfdraft.errors import SelfdraftError
-from selfdraft.inference.adaptive import Throttle
 from selfdraft.inference.drafters import Drafter, Verified
-from selfdraft.inference.schedule import VerifySchedule
+from selfdraft.inference.policy import FIXED, DraftPolicy
 from selfdraft.inference.session import TargetSession
 from selfdraft.inference.tree import DraftTree, build_tree_buffers
 from selfdraft.inference.verify import choose_token, greedy_verify, sample_verify, target_probs, typical_verify
@@ -48,14 +47,14 @@ class DecodeStats:
     depth_drafted: Counter = field(default_factory=Counter)
     depth_accepted: Counter = field(default_factory=Counter)
     draft_nodes: int = 0
-    """Draft nodes verified (after the schedule's cut, if any)."""
+    """Draft nodes verified (after the drafting policy's cut, if any)."""
     proposed_nodes: int = 0
-    """Draft nodes the drafter proposed (before the schedule's cut)."""
+    """Draft nodes the drafter proposed (before the cut)."""
     draft_seconds: float = 0.0
     drafted_steps: int = 0
-    """Verification steps that ran the drafter (the adaptive throttle's probes included)."""
+    """Verification steps that ran the drafter (the adaptive policy's probes included)."""
     skipped_steps: int = 0
-    """Plain steps the adaptive throttle chose because drafting did not pay."""
+    """Plain steps the drafting policy chose because drafting did not pay."""
 
     def count_step(self, tree: DraftTree, buffers, accepted: Sequence[int], new: Sequence[int]) -> None:
         """Count one verification step: ``tree`` verified, ``accepted`` of its positions kept, ``new`` emitted."""
@@ -87,16 +86,15 @@ def speculative_decode(
     eos_token_ids: Sequence[int] = (),
     max_context: int | None = None,
     sample_rule: SampleRule = sample_verify,
-    schedule: VerifySchedule | None = None,
-    throttle: Throttle | None = None,
+    policy: DraftPolicy = FIXED,
 ) -> DecodeOutput:
     """Generate up to ``config.max_new_tokens`` tokens after ``prompt_ids``.
 
     Greedy (temperature 0) output equals the target's own greedy decoding; sampled output has the
     target's distribution (after temperature / top-k / top-p). ``sample_rule`` exists so the tests
-    can plant a biased rule and show that they detect it. With a ``schedule``, each tree that carries
-    node values is cut to the part worth verifying (inference/schedule.py); with a ``throttle``, a step
-    drafts only while drafting pays for this request (inference/adaptive.py); exact all the same.
+    can plant a biased rule and show that they detect it. ``policy`` decides whether a step drafts and
+    what part of the tree it verifies (inference/policy.py; default: the whole tree every step); exact
+    whichever it is.
     """
     prompt_ids = list(prompt_ids)
     if not prompt_ids:
@@ -121,14 +119,15 @@ def speculative_decode(
     state = drafter.start(prompt_ids, out)
     stats.draft_seconds += time.perf_counter() - t0
     stop_reason = "eos" if first in eos else "max_new_tokens"
-    gate = throttle.start() if throttle is not None else None
+    run = policy.run(1)
 
     while first not in eos and len(emitted) < config.max_new_tokens:
         if max_context is not None and session.length >= max_context:  # no position left for the root
             stop_reason = "context"
             break
         remaining = config.max_new_tokens - len(emitted)
-        drafting = gate is None or gate.should_draft()
+        budget = run.plan((0,), (remaining,))
+        drafting = budget != 0
         if drafting:
             t0 = time.perf_counter()
             tree, state = drafter.propose(state, sequence)
@@ -142,10 +141,10 @@ def speculative_decode(
         max_depth = remaining - 1
         if max_context is not None:
             max_depth = min(max_depth, max_context - 1 - session.length)
-        probe = gate.probe_nodes() if gate is not None and drafting else None  # a probe verifies a cheap part
-        tree = tree.prune(max_depth=max_depth, max_nodes=tree.num_nodes if probe is None else probe)
-        if schedule is not None:  # what is worth verifying of what can still be emitted
-            tree = schedule.cut(tree)
+        tree = tree.prune(max_depth=max_depth, max_nodes=tree.num_nodes if budget is None else budget)
+        step_seconds = drafter.step_seconds(state) if drafting else None
+        if drafting:  # what is worth verifying of what can still be emitted
+            [tree] = run.verify([tree], [step_seconds])
         if not session.trees:  # a recurrent target verifies one chain (heads/target_layers.py)
             tree = tree.best_path()
         buffers = tree_buffers(tree)
@@ -155,8 +154,8 @@ def speculative_decode(
         accepted, bonus = accept(out.logits, tree, buffers, config, generator, sample_rule)
         keep = [0] + accepted
         session.commit(keep)
-        if gate is not None and drafting:
-            gate.record(tree.num_nodes, len(keep), drafter.step_seconds(state))
+        if drafting:
+            run.record((0,), [tree], [len(keep)], [step_seconds])
 
         new, hit_eos = committed_tokens(tree, accepted, bonus, eos, remaining)
         if hit_eos:
@@ -168,7 +167,7 @@ def speculative_decode(
         if stop_reason == "eos":
             break
         t0 = time.perf_counter()
-        state = drafter.observe(state, verified(out, keep, new))
+        state = drafter.observe(state, verified(out, keep, new, tree))
         stats.draft_seconds += time.perf_counter() - t0
 
     return DecodeOutput(token_ids=emitted, stats=stats, seconds=time.perf_counter() - start, stop_reason=stop_reason)
@@ -218,11 +217,11 @@ def committed_tokens(tree: DraftTree, accepted: Sequence[int], bonus: int, eos: 
     return new[:remaining], False
 
 
-def verified(out, keep: Sequence[int], new: list[int]) -> Verified:
-    """What the drafter observes after a step: the emitted tokens and the target's hidden states at the root
-    and the accepted positions ``keep``, gathered on the target's device."""
+def verified(out, keep: Sequence[int], new: list[int], tree: DraftTree | None = None) -> Verified:
+    """What the drafter observes after a step: the emitted tokens, the target's hidden states at the root
+    and the accepted positions ``keep`` (gathered on the target's device), and the tree verified."""
     hidden = ()
     if out.hidden:
         index = torch.tensor(list(keep), dtype=torch.long, device=out.hidden[0].device)
         hidden = tuple(h.index_select(0, index) for h in out.hidden)
-    return Verified(tokens=new, hidden=hidden)
+    return Verified(tokens=new, hidden=hidden, tree=tree)

@@ -37,12 +37,15 @@ class Verified:
     """What a verification step committed, for the drafter to learn its new state from.
 
     tokens: the new committed tokens (accepted draft tokens, then the target's bonus token).
+    tree: the tree the target verified (None where the caller does not say).
     hidden: the target's hidden states (one (A + 1, D) tensor per layer the drafter asked for) at the
             root and the accepted positions: the features that produced ``tokens``.
     """
 
     tokens: list[int]
     hidden: tuple[torch.Tensor, ...] = ()
+    tree: DraftTree | None = None
+    """The tree the target verified: the proposal, or the part of it the drafting policy kept."""
 
 
 def on_target(module: nn.Module, target_model, what: str, *, dtype: bool = True) -> nn.Module:
@@ -67,11 +70,8 @@ class Drafter(ABC):
     hidden_layers: tuple[int, ...] = ()
     """Target layers whose hidden states the drafter reads (transformers' hidden_states numbering)."""
     max_nodes: int = 0
-    """The most draft nodes one proposal holds (0: it never drafts): the largest verify batch the
-    adaptive throttle (inference/adaptive.py) needs the cost of."""
-    valued_nodes: int = 0
-    """The most nodes of a tree whose nodes carry values (``DraftTree.values``), which confidence-
-    scheduled verification cuts by; 0: its trees carry none."""
+    """The most draft nodes one proposal holds (0: it never drafts): the largest verification the
+    drafting policy (inference/policy.py) needs the cost of."""
     batched: bool = False
     """Whether :meth:`propose_batch` drafts every row in one forward (so a batch of B rows costs less
     than B proposals) rather than row by row."""
@@ -103,6 +103,10 @@ class NoDrafter(Drafter):
 
     name = "none"
 
+    @classmethod
+    def from_spec(cls, argument, target, options) -> "NoDrafter":
+        return cls()
+
     def propose(self, state, sequence):
         return DraftTree.empty(), state
 
@@ -121,6 +125,10 @@ class PromptLookupDrafter(Drafter):
     def __init__(self, config: PromptLookupConfig = PromptLookupConfig()):
         self.config = config
         self.max_nodes = min(config.max_nodes, config.num_tokens * config.max_branches)
+
+    @classmethod
+    def from_spec(cls, argument, target, options) -> "PromptLookupDrafter":
+        return cls(options.prompt_lookup or PromptLookupConfig())
 
     def propose(self, state, sequence):
         cfg = self.config
@@ -154,8 +162,8 @@ class DraftModelDrafter(Drafter):
     tokens (``top_k`` 1) or a tree that, at each depth, expands the ``top_k`` best nodes by
     cumulative draft log-probability into their ``top_k`` best children and finally keeps the best
     ``max_nodes`` (:func:`~selfdraft.inference.tree.grow_dynamic_tree`, on the draft model's device).
-    The draft model's cache holds the committed tokens; tree nodes are cropped after each proposal,
-    and the next proposal first feeds the newly committed tokens.
+    The draft model's cache holds the committed tokens (from its first proposal on); tree nodes are
+    cropped after each proposal, and the next proposal first feeds the newly committed tokens.
     """
 
     name = "draft-model"
@@ -165,6 +173,18 @@ class DraftModelDrafter(Drafter):
         self.config = tree
         self.max_nodes = tree.max_nodes
         self.vocab_size = target_vocab_size or model.config.get_text_config(decoder=True).vocab_size
+
+    @classmethod
+    def from_spec(cls, argument: str, target, options) -> "DraftModelDrafter":
+        """``draft-model:SPEC``: the model SPEC (loaded in the target's dtype, on its device), with the tree
+        :data:`DRAFT_MODEL_TREE` and the fields ``options.tree`` changes."""
+        import dataclasses
+
+        from selfdraft.heads.target import load_target
+        from selfdraft.inference.drafter_specs import tree_overrides
+
+        draft = load_target(argument, dtype=target.dtype, device=str(target.device))
+        return cls.for_target(draft, target, dataclasses.replace(DRAFT_MODEL_TREE, **tree_overrides(options.tree)))
 
     @classmethod
     def for_target(cls, draft, target, tree: TreeConfig = DRAFT_MODEL_TREE) -> "DraftModelDrafter":
@@ -181,9 +201,9 @@ class DraftModelDrafter(Drafter):
         return cls(model, tree, target_vocab_size=theirs.vocab_size)
 
     def start(self, prompt_ids, prefill):
-        session = CausalLMSession(self.model)
-        session.prefill(prompt_ids)
-        return session
+        """An empty draft cache: the draft model reads the text at its first proposal, so a request whose
+        drafting policy never drafts (a drafter that does not pay) costs no draft-model prefill."""
+        return CausalLMSession(self.model)
 
     def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """(m, V_draft) -> (m, V_target) float32 log-probabilities; rows beyond the target's vocab are dropped."""
@@ -193,7 +213,9 @@ class DraftModelDrafter(Drafter):
         cfg = self.config
         if session.length >= len(sequence):  # a second proposal from the same sequence: feed the root again
             session.crop(len(sequence) - 1)
-        out = session.extend(sequence[session.length :])  # catch up: ends with the root
+        if session.length == 0 and len(sequence) > 1:  # the first proposal: the text before the root at once
+            session.prefill(sequence[:-1])
+        out = session.extend(sequence[session.length :], last_only=True)  # catch up: ends with the root
         base = session.length  # committed tokens in the draft cache, root included
 
         def expand(tokens, rows, positions, visible):

@@ -120,11 +120,13 @@ class CausalLMSession:
         return out
 
     @torch.inference_mode()
-    def extend(self, input_ids: Sequence[int]) -> StepOutput:
-        """Append tokens to the cache as a causal continuation; logits (T, V) at every fed position."""
+    def extend(self, input_ids: Sequence[int], *, last_only: bool = False) -> StepOutput:
+        """Append tokens to the cache as a causal continuation; logits (T, V) at every fed position, or (1, V)
+        at the last with ``last_only`` (a catch-up that reads only the next token's: no vocabulary
+        projection of the others)."""
         ids = torch.tensor(list(input_ids), dtype=torch.long, device=self.device)
         positions = torch.arange(self.length, self.length + ids.numel(), device=self.device)
-        out = self._forward(ids, positions, None, keep_logits=0)
+        out = self._forward(ids, positions, None, keep_logits=1 if last_only else 0)
         self.length += ids.numel()
         return out
 

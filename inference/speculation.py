@@ -22,16 +22,12 @@ wheel: inclusive ``(range_start, range_end, num_speculative_tokens)`` ranges, so
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 from selfdraft.errors import SelfdraftError
 from selfdraft.files import write_atomic
 from selfdraft.heads.cards import PROFILE_FILE, sglang_settings
 from selfdraft.inference.costs import CostSurface, speedup
-
-logger = logging.getLogger(__name__)
 
 
 def expected_tokens(acceptance, k: int) -> float:
@@ -169,53 +165,3 @@ def write_drafter_profile(folder, target, surface: CostSurface, out) -> tuple[di
         write_atomic(where / PROFILE_FILE, json.dumps(profile, indent=1))
         written.append(where / PROFILE_FILE)
     return profile, schedule_table(entries), written
-
-
-def read_profile(folder) -> dict | None:
-    """The ``speculation_profile.json`` of a drafter folder (native or exported), or None without one."""
-    import json
-    import pathlib
-
-    path = pathlib.Path(folder) / PROFILE_FILE
-    if not path.is_file():
-        return None
-    try:
-        profile = json.loads(path.read_text(encoding="utf-8"))
-        entries = sorted((int(e["batch"]), int(e["tokens"])) for e in profile["schedule"])
-        surface = profile["cost_surface"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise SelfdraftError(f"{path} is not a speculation profile selfdraft can read ({err}); rewrite it with "
-                             "`selfdraft costs --drafter FOLDER`, or delete it to decode without a schedule") from err
-    if not entries or entries[0][0] != 1:
-        raise SelfdraftError(f"{path}: its schedule must start at batch size 1, it starts at {entries[:1]}; rewrite it "
-                             "with `selfdraft costs --drafter FOLDER`")
-    return {**profile, "entries": entries, "surface": surface}
-
-
-def schedule_budget(profile: dict, target) -> Callable[[int], int]:
-    """The node budget per row for a live batch size, from a profile's schedule: a batch size between two
-    measured ones takes the smaller one's drafts (as :func:`vllm_ranges` does), 0 where drafting is off.
-
-    A profile measured for another target would mislead (its acceptance and costs are another model's):
-    refused. One measured on another machine is used with a warning, since only its costs differ."""
-    from selfdraft.machine import describe
-
-    surface = profile["surface"]
-    if surface.get("target") != target.identity.name:
-        raise SelfdraftError(f"the drafter's speculation profile was measured with target {surface.get('target')!r}, "
-                             f"not {target.identity.name!r}: its schedule does not hold here. Rewrite it with "
-                             f"`selfdraft costs --target {target.identity.name} --drafter FOLDER`, or decode with "
-                             "speculation='off'")
-    here, there = describe(str(target.device)), surface.get("machine") or {}
-    differs = [k for k in ("cpu", "cpu_flags", "gpu", "cpus", "threads") if here.get(k) != there.get(k)]
-    if differs:
-        logger.warning(
-            "the drafter's speculation profile was measured on another machine (%s differ: %s there, %s here); its "
-            "schedule is used, but `selfdraft costs --drafter FOLDER` here would fit this one",
-            ", ".join(differs), {k: there.get(k) for k in differs}, {k: here.get(k) for k in differs})
-    entries = profile["entries"]
-
-    def budget(rows: int) -> int:
-        return next(tokens for batch, tokens in reversed(entries) if batch <= rows)
-
-    return budget

@@ -56,7 +56,7 @@ class DraftTree:
     tensors back); :meth:`from_lists` passes them."""
     values: tuple[float, ...] | None = None
     """Optional, per node: the drafter's estimate of the probability that the target accepts the path
-    to it, which confidence-scheduled verification (inference/schedule.py) ranks nodes by."""
+    to it, which the drafting policy's value cut (inference/policy.py) ranks nodes by."""
 
     def __post_init__(self, host):
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:

@@ -27,7 +27,7 @@ def _positive_int(text: str) -> int:
 
 
 def _add_generate(sub) -> None:
-    from selfdraft.configs.decode import DecodeConfig, PromptLookupConfig
+    from selfdraft.configs.decode import POLICIES, DecodeConfig, PromptLookupConfig
 
     p = sub.add_parser(
         "generate",
@@ -36,9 +36,11 @@ def _add_generate(sub) -> None:
         "target's own greedy output in fp32; sampling keeps the target's distribution exactly.",
     )
     p.add_argument("--target", default="smollm2-135m", help="built-in name, local HF folder or hub name (default: %(default)s)")
-    p.add_argument("--drafter", default="none", help="none, prompt-lookup, copy (suffix-match copying), draft-model:SPEC, "
-                   "a drafter folder: native (any kind) or an engine export selfdraft reads, or hybrid:SPEC (copying and the "
-                   "drafter SPEC merged into one tree per step) (default: %(default)s)")
+    from selfdraft.inference.drafter_specs import drafter_specs
+
+    untrained = "; ".join(f"{entry.usage} ({entry.help})" for entry in drafter_specs())
+    p.add_argument("--drafter", default="none", help=f"{untrained}; or a drafter folder: native (any trained kind) or an "
+                   "engine export selfdraft reads (default: %(default)s)")
     p.add_argument("--prompt", required=True, action="append",
                    help="the prompt text; give it several times to decode the prompts as one batch (one target forward "
                    "per step for all of them, each row exact as alone)")
@@ -66,16 +68,14 @@ def _add_generate(sub) -> None:
     g.add_argument("--max-nodes", type=_positive_int, default=None,
                    help="the node budget: draft tokens verified per step (a Medusa folder rebuilds its sparse tree for it "
                    "from its stored accuracies; prompt lookup: default %d)" % PromptLookupConfig.max_nodes)
-    g.add_argument("--schedule", choices=("confidence", "off"), default="confidence",
-                   help="confidence (default): verify only the part of a DFlash/DSpark block that pays on this machine, by "
-                   "the drafter's confidence and the target's verify cost measured here (cached); off: verify every draft")
-    g.add_argument("--adaptive", choices=("on", "off"), default="on",
-                   help="on (default): draft only while drafting pays for this prompt, by this machine's measured costs, "
-                   "probing now and then once it stops paying; off: draft every step")
-    g.add_argument("--speculation", choices=("auto", "off"), default="auto",
-                   help="a batch (several --prompt): auto (default) drafts as many tokens per row as the drafter folder's "
-                   "speculation_profile.json (`selfdraft costs --drafter`) found to pay at the batch's live size, none "
-                   "where drafting does not pay; off: the drafter's own tree at every batch size")
+    g = p.add_argument_group("how much to draft")
+    g.add_argument("--policy", choices=POLICIES, default="auto",
+                   help="adaptive: draft only while drafting pays for the prompt by this machine's measured costs (probing "
+                   "now and then once it stops), and verify only the part of a valued tree (a block drafter's, copying's) "
+                   "that pays at the live batch size; cut: only the latter; fixed: the drafter's whole tree every step; "
+                   "profile: the drafts per batch size of the drafter folder's speculation_profile.json (`selfdraft costs "
+                   "--drafter`); auto (default): profile for several prompts whose folder has one, else adaptive")
+    _legacy_flags(g)
     p.set_defaults(func=_run_generate)
 
 
@@ -104,8 +104,7 @@ def _run_generate(args) -> int:
         seed=args.seed,
         acceptance="typical" if args.typical_acceptance else "exact",
         tree=tree or None,
-        schedule=args.schedule,
-        adaptive=args.adaptive,
+        policy=_policy(args),
         prompt_lookup=_prompt_lookup(args),
     )
     if args.json:
@@ -121,6 +120,21 @@ def _run_generate(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _legacy_flags(group) -> None:
+    """The previous release's options, kept one release as aliases of ``--policy`` (they say which)."""
+    group.add_argument("--adaptive", choices=("on", "off"), default=None, help=argparse.SUPPRESS)
+    group.add_argument("--schedule", choices=("confidence", "off"), default=None, help=argparse.SUPPRESS)
+    group.add_argument("--speculation", choices=("auto", "off"), default=None, help=argparse.SUPPRESS)
+
+
+def _policy(args) -> str:
+    """--policy, or what the previous release's flags given instead of it mean (with a warning)."""
+    from selfdraft.inference.policy import legacy_policy
+
+    return legacy_policy(getattr(args, "adaptive", None), getattr(args, "schedule", None),
+                         getattr(args, "speculation", None)) or args.policy
 
 
 def _prompt_lookup(args):
@@ -139,7 +153,7 @@ def _generate_batch(args, target, tree) -> int:
         target, args.prompt, drafter=args.drafter, chat=args.chat, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seeds=args.seed,
         acceptance="typical" if args.typical_acceptance else "exact", tree=tree or None,
-        prompt_lookup=_prompt_lookup(args), speculation=args.speculation)
+        prompt_lookup=_prompt_lookup(args), policy=_policy(args))
     seconds = max(r.seconds for r in results)
     tokens = sum(r.new_tokens for r in results)
     for i, result in enumerate(results):
@@ -294,7 +308,7 @@ def _run_distill(args) -> int:
 
 
 def _add_bench(sub) -> None:
-    from selfdraft.configs.decode import DecodeConfig
+    from selfdraft.configs.decode import POLICIES, DecodeConfig
 
     p = sub.add_parser(
         "bench", help="decoding methods side by side (ours and transformers'), with a report and plots",
@@ -332,9 +346,11 @@ def _add_bench(sub) -> None:
                    help="instead: tokens/s per batch size (e.g. 1,4,16), the prompts decoded B at a time by our batched "
                    "loop, hf-greedy (batched generate()) and vllm:FOLDER (B requests in flight); greedy; writes "
                    "batches.json, batches.md and batches.png")
-    p.add_argument("--speculation", choices=("auto", "off"), default="auto",
-                   help="with --batch-sizes: auto (default) lets a drafter folder's speculation_profile.json set the drafts "
-                   "per batch size; off: its own tree at every size")
+    p.add_argument("--policy", choices=POLICIES, default="auto",
+                   help="with --batch-sizes, how much our loop drafts (`selfdraft generate --help`): auto (default) lets a "
+                   "drafter folder's speculation_profile.json set the drafts per batch size, else adaptive; fixed: its own "
+                   "tree at every size")
+    p.add_argument("--speculation", choices=("auto", "off"), default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_run_bench)
 
 
@@ -353,7 +369,7 @@ def _run_bench(args) -> int:
         methods = [m for text in (args.methods or ["hf-greedy,none,prompt-lookup"]) for m in split_methods(text)]
         results = run_batch_bench(args.target, methods, args.tasks, args.batch_sizes, args.max_new_tokens,
                                   args.limit or None, args.out, dtype=args.dtype, device=args.device,
-                                  speculation=args.speculation, plots=not args.no_plots,
+                                  policy=_policy(args), plots=not args.no_plots,
                                   command=shlex.join(["selfdraft", *args.argv]))
         print(batch_table(results))
         print(f"\nreport: {os.path.join(args.out, REPORT)} (batches.json and batches.png next to it)")

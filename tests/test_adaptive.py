@@ -1,11 +1,11 @@
-"""The adaptive throttle (inference/adaptive.py): a request drafts while drafting pays by the measured
+"""The adaptive drafting policy (inference/policy.py): a request drafts while drafting pays by the measured
 costs, decodes plain steps when it does not, probes again after a wait that doubles, and stays exact
 whichever steps draft.
 
-The throttle's rule is checked on scripted acceptance (no model); exactness on a tiny random Llama
+The policy's rule is checked on scripted acceptance (no model); exactness on a tiny random Llama
 with every drafter, random drafters included (they accept almost nothing, so they switch off and
 probe: each probe's proposal catches up on the plain steps before it). Sampled losslessness under the
-throttle is in test_sampling_exact.py.
+policy is in test_sampling_exact.py.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 
 from selfdraft.configs.decode import DRAFT_MODEL_TREE, DecodeConfig, PromptLookupConfig
 from selfdraft.errors import SelfdraftError
-from selfdraft.inference.adaptive import Throttle, throttle_for
 from selfdraft.inference.decode import speculative_decode
 from selfdraft.inference.drafters import DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter
 from selfdraft.inference.costs import CostSurface
+from selfdraft.inference.policy import FIXED, Adaptive, policy_for
 from selfdraft.inference.session import CausalLMSession
 from selfdraft.inference.tree import DraftTree
 
@@ -33,21 +33,24 @@ def linear_cost(base: float = 1.0, per_token: float = 0.05, sizes: int = 64) -> 
     return CostSurface.row(tuple(base + per_token * m for m in range(sizes)), target="toy", dtype="float32", device="cpu", context=256)
 
 
-def simulate(throttle: Throttle, accepted, steps: int, nodes: int = 4) -> list[int]:
+def simulate(throttle: Adaptive, accepted, steps: int, nodes: int = 4) -> list[int]:
     """The steps (0-based) a request drafts when a drafted step i accepts ``accepted(i)`` drafts."""
-    state, drafted = throttle.start(), []
-    before = state.drafted  # a request after the first starts with what earlier ones learnt
+    run, drafted, skipped = throttle.run(1), [], 0
+    before = run.drafted  # a request after the first starts with what earlier ones learnt
+    tree = DraftTree.chain(list(range(nodes)))
     for i in range(steps):
-        if state.should_draft():
+        if run.plan((0,), (steps - i,)) != 0:
             drafted.append(i)
-            state.record(nodes, 1 + accepted(i))
-    assert state.drafted - before == len(drafted) and state.skipped == steps - len(drafted)
+            run.record((0,), [tree], [1 + accepted(i)], [None])
+        else:
+            skipped += 1
+    assert run.drafted - before == len(drafted) and skipped == steps - len(drafted)
     return drafted
 
 
 def test_a_drafter_that_never_pays_is_probed_ever_more_rarely():
     # T(1) = 1, T(5) = 1.2, drafting 0.1: a drafted step pays above 1.3 tokens.
-    throttle = Throttle(linear_cost(), 0.1)
+    throttle = Adaptive(linear_cost(), 0.1)
     drafted = simulate(throttle, lambda i: 0, 1000)
     gaps = [b - a for a, b in zip(drafted, drafted[1:])]
     # min_drafted steps, then plain waits of 4, 8, 16, 32, 64, 64, ... between probes
@@ -56,16 +59,16 @@ def test_a_drafter_that_never_pays_is_probed_ever_more_rarely():
 
 
 def test_a_drafter_that_pays_drafts_every_step():
-    assert simulate(Throttle(linear_cost(), 0.1), lambda i: 2, 500) == list(range(500))
+    assert simulate(Adaptive(linear_cost(), 0.1), lambda i: 2, 500) == list(range(500))
     # 1.5 tokens a step at this cost pays too: 1.5 / 1.3 > 1 / 1
-    assert len(simulate(Throttle(linear_cost(), 0.1), lambda i: i % 2, 500)) == 500
+    assert len(simulate(Adaptive(linear_cost(), 0.1), lambda i: i % 2, 500)) == 500
 
 
 def test_drafting_resumes_when_it_pays_again():
     """Copy-heavy stretches: drafting pays, then stops paying, then pays again; the throttle follows
     within the longest wait."""
     phase = lambda i: 3 if i < 100 or i >= 300 else 0  # noqa: E731
-    drafted = set(simulate(Throttle(linear_cost(), 0.1), phase, 500))
+    drafted = set(simulate(Adaptive(linear_cost(), 0.1), phase, 500))
     assert set(range(100)) <= drafted
     assert len(drafted & set(range(100, 300))) < 70  # about 45 steps to notice, then probes
     back = min(i for i in drafted if i >= 300)
@@ -76,25 +79,25 @@ def test_a_drafter_close_to_paying_is_probed_often_and_a_cheap_one_stays_on():
     """Near the break-even (1.3 tokens here) a probe comes every few steps; a drafter that costs nearly
     nothing (prompt lookup finding no match: an empty proposal) is never switched off."""
     calls = itertools.count()
-    near = simulate(Throttle(linear_cost(), 0.1), lambda i: 1 if next(calls) % 5 == 0 else 0, 400)  # 1.2 tokens a step
+    near = simulate(Adaptive(linear_cost(), 0.1), lambda i: 1 if next(calls) % 5 == 0 else 0, 400)  # 1.2 tokens a step
     after = near[8:]
     gaps = [b - a for a, b in zip(after, after[1:])]
     assert gaps and max(gaps) == 5, gaps
-    cheap = Throttle(linear_cost(1.0, 0.0), 0.001)  # verifying 4 drafts costs no more than 1 token; drafting 0.1%
+    cheap = Adaptive(linear_cost(1.0, 0.0), 0.001)  # verifying 4 drafts costs no more than 1 token; drafting 0.1%
     assert simulate(cheap, lambda i: 0, 300) == list(range(300))
 
 
 def test_bad_throttle_settings_and_modes_are_refused():
     with pytest.raises(SelfdraftError, match="memory"):
-        Throttle(linear_cost(), 0.1, memory=1.0)
+        Adaptive(linear_cost(), 0.1, memory=1.0)
     with pytest.raises(SelfdraftError, match="first_wait"):
-        Throttle(linear_cost(), 0.1, first_wait=8, longest_wait=4)
+        Adaptive(linear_cost(), 0.1, first_wait=8, longest_wait=4)
     with pytest.raises(SelfdraftError, match="draft_seconds"):
-        Throttle(linear_cost(), -1.0)
-    with pytest.raises(SelfdraftError, match="unknown adaptive mode 'sometimes'.*on, off"):
-        throttle_for(None, NoDrafter(), "sometimes")
-    assert throttle_for(None, NoDrafter(), "on") is None  # nothing to throttle
-    assert throttle_for(None, PromptLookupDrafter(), "off") is None
+        Adaptive(linear_cost(), -1.0)
+    with pytest.raises(SelfdraftError, match="unknown drafting policy 'sometimes'.*adaptive, cut, fixed, profile"):
+        policy_for(None, NoDrafter(), "sometimes")
+    assert policy_for(None, NoDrafter(), "adaptive") is FIXED  # nothing to throttle
+    assert policy_for(None, PromptLookupDrafter(), "fixed") is FIXED
 
 
 def test_a_later_request_starts_from_what_earlier_ones_learnt():
@@ -102,20 +105,20 @@ def test_a_later_request_starts_from_what_earlier_ones_learnt():
     request decodes plain from its start and probes after half the last wait (64 there: 32 steps), then
     64 steps later; one that paid keeps drafting from the first step. A drafter that came close to paying
     on the request before starts probing after 2 * first_wait steps."""
-    never = Throttle(linear_cost(), 0.1)
+    never = Adaptive(linear_cost(), 0.1)
     first = simulate(never, lambda i: 0, 100)
     assert first[:8] == list(range(8)) and never.learnt.interval == 64, first
     second = simulate(never, lambda i: 0, 100)
     assert second == [32, 97], second
     assert never.learnt.drafted == len(first) + len(second)
-    close = Throttle(linear_cost(), 0.1)  # a drafted step needs 1.3 tokens; 1 + 0.25 is close (not hopeless)
+    close = Adaptive(linear_cost(), 0.1)  # a drafted step needs 1.3 tokens; 1 + 0.25 is close (not hopeless)
     simulate(close, lambda i: i % 4 == 0, 100)
     assert close.learnt.interval == close.first_wait
     assert simulate(close, lambda i: 0, 100)[0] == 2 * close.first_wait
-    pays = Throttle(linear_cost(), 0.1)
+    pays = Adaptive(linear_cost(), 0.1)
     simulate(pays, lambda i: 2, 50)
     assert simulate(pays, lambda i: 2, 50) == list(range(50))
-    fresh = Throttle(linear_cost(), 0.1)  # each throttle learns on its own
+    fresh = Adaptive(linear_cost(), 0.1)  # each throttle learns on its own
     assert simulate(fresh, lambda i: 0, 100) == first
 
 
@@ -161,9 +164,9 @@ def test_every_drafter_stays_exact_under_the_throttle(target, tiny_llama, random
     # Verifying costs little more than one token, drafting a fifth of a forward: a drafter pays from
     # about 1.3 tokens a step.
     for name, drafter in drafters.items():
-        throttle = Throttle(linear_cost(1.0, 0.02), 0.2)  # one per drafter: it learns across its requests
+        throttle = Adaptive(linear_cost(1.0, 0.02), 0.2)  # one per drafter: it learns across its requests
         session = CausalLMSession(target, hidden_layers=drafter.hidden_layers)
-        out = speculative_decode(session, prompt, drafter, DecodeConfig(max_new_tokens=n), throttle=throttle)
+        out = speculative_decode(session, prompt, drafter, DecodeConfig(max_new_tokens=n), policy=throttle)
         assert out.token_ids == ref, f"{name}: first divergence at " \
             f"{next(i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b)}"
         s = out.stats
@@ -179,7 +182,6 @@ def test_copy_and_hybrid_drafters_are_exact_with_every_drafter_kind(tiny_llama, 
     """Greedy output equals generate() for the hybrid of copying with a draft model and with every trained
     kind (random weights), and for copying alone, under the throttle and without it."""
     from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter
-    from selfdraft.inference.schedule import VerifySchedule
 
     target = tiny_llama(0)
     draft = tiny_llama(1, layers=1, hidden=32)
@@ -187,16 +189,15 @@ def test_copy_and_hybrid_drafters_are_exact_with_every_drafter_kind(tiny_llama, 
     n = 128
     x = torch.tensor([prompt])
     ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n)[0, len(prompt):].tolist()
-    schedule = VerifySchedule(linear_cost(1.0, 0.02))
     inner = {"draft-model": DraftModelDrafter(draft, dataclasses.replace(DRAFT_MODEL_TREE, depth=3, top_k=2, max_nodes=6)),
              **random_kind_drafters(target)}
-    drafters = {"copy": CopyDrafter(), **{f"hybrid({k})": HybridDrafter(d, schedule=schedule, model_seconds=0.1)
+    drafters = {"copy": CopyDrafter(), **{f"hybrid({k})": HybridDrafter(d, cost=linear_cost(1.0, 0.02), model_seconds=0.1)
                                           for k, d in inner.items()}}
     copied = 0
     for name, drafter in drafters.items():
-        for throttle in (None, Throttle(linear_cost(1.0, 0.02), 0.2)):
+        for throttle in (FIXED, Adaptive(linear_cost(1.0, 0.02), 0.2)):
             session = CausalLMSession(target, hidden_layers=drafter.hidden_layers)
-            out = speculative_decode(session, prompt, drafter, DecodeConfig(max_new_tokens=n), throttle=throttle)
+            out = speculative_decode(session, prompt, drafter, DecodeConfig(max_new_tokens=n), policy=throttle)
             assert out.token_ids == ref, f"{name}: first divergence at " \
                 f"{next(i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b)}"
             copied += sum(out.stats.depth_accepted.values())
@@ -204,7 +205,7 @@ def test_copy_and_hybrid_drafters_are_exact_with_every_drafter_kind(tiny_llama, 
 
 
 def test_generate_reports_the_throttle_and_off_drafts_every_step(tiny_target, tmp_path, monkeypatch):
-    """generate() throttles by default (the cost curve cached); adaptive="off" drafts every step; both
+    """generate() throttles by default (the cost curve cached); policy="fixed" drafts every step; both
     outputs equal the plain one. The curve is a given one on which 4 tokens cost 1.75 plain steps: on the
     tiny target a forward over 4 tokens can measure what one over 1 does, and a drafter whose drafts cost
     nothing is rightly kept on (a CI run measured it so and drafted every step)."""
@@ -231,7 +232,7 @@ def test_generate_reports_the_throttle_and_off_drafts_every_step(tiny_target, tm
             return DraftTree.chain([(sequence[-1] + 1) % 50, 1, 2]), state
 
     on = generate(t, input_ids=ids, drafter=Wrong(), max_new_tokens=64, stop_on_eos=False)
-    off = generate(t, input_ids=ids, drafter=Wrong(), max_new_tokens=64, stop_on_eos=False, adaptive="off")
+    off = generate(t, input_ids=ids, drafter=Wrong(), max_new_tokens=64, stop_on_eos=False, policy="fixed")
     assert on.token_ids == off.token_ids == plain.token_ids
     assert off.skipped_steps == 0 and off.drafted_steps == off.target_forwards - 1
     assert on.skipped_steps > 2 * on.drafted_steps and on.drafted_steps + on.skipped_steps == on.target_forwards - 1

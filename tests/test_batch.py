@@ -21,6 +21,7 @@ from selfdraft.inference.batch import BatchSession, batched_decode
 from selfdraft.inference.decode import speculative_decode
 from selfdraft.inference.drafters import DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter, Verified
 from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter
+from selfdraft.inference.policy import Adaptive, Profile
 from selfdraft.inference.session import CausalLMSession
 from selfdraft.inference.tree import DraftTree
 
@@ -109,7 +110,7 @@ def test_rows_that_stop_early_leave_the_batch_and_the_rest_stay_exact(target, dr
 
 
 def test_the_node_budget_follows_the_live_batch_size(target, drafters):
-    """``nodes_for_batch``: no drafting while 3 rows are live, 2 nodes per row once one has left (it stops
+    """A profile policy's node budget: no drafting while 3 rows are live, 2 nodes per row once one has left (it stops
     at an EOS token early); the rows stay exact, and the steps drafted and skipped say which applied."""
     n = 24
     refs = [reference(target, p, n) for p in PROMPTS[:3]]
@@ -122,7 +123,7 @@ def test_the_node_budget_follows_the_live_batch_size(target, drafters):
 
     config = DecodeConfig(max_new_tokens=n)
     drafter = drafters["self-draft"]
-    outs = batched_decode(BatchSession(target), PROMPTS[:3], drafter, config, eos_token_ids=[eos], nodes_for_batch=budget)
+    outs = batched_decode(BatchSession(target), PROMPTS[:3], drafter, config, eos_token_ids=[eos], policy=Profile(budget))
     for i, out in enumerate(outs):
         alone = speculative_decode(CausalLMSession(target), PROMPTS[i], drafter, config, eos_token_ids=[eos])
         assert out.token_ids == alone.token_ids, i
@@ -291,13 +292,13 @@ def test_generate_batch_on_a_real_tokenizer_follows_the_drafters_schedule(tiny_t
 
     target = load_target(str(tiny_target))
     prompts = ["def add(a, b):", "The capital of France is", "1, 2, 3, 4,"]
-    results = generate_batch(target, prompts, drafter="prompt-lookup", max_new_tokens=12, speculation="off")
+    results = generate_batch(target, prompts, drafter="prompt-lookup", max_new_tokens=12, policy="fixed")
     for prompt, result in zip(prompts, results):
-        alone = generate(target, prompt, drafter="prompt-lookup", max_new_tokens=12, adaptive="off")
+        alone = generate(target, prompt, drafter="prompt-lookup", max_new_tokens=12, policy="fixed")
         assert (result.token_ids, result.text, result.target_forwards) == (alone.token_ids, alone.text, alone.target_forwards)
-    # A drafter folder's profile (what generate_batch reads for speculation="auto"): 2 drafts at batch 1,
+    # A drafter folder's profile (what generate_batch reads for policy="auto"): 2 drafts at batch 1,
     # none from batch 2 on; batched_decode's use of such a budget is the node-budget test above.
-    from selfdraft.inference.speculation import read_profile, schedule_budget
+    from selfdraft.inference.policy import read_profile, schedule_budget
 
     folder = tmp_path / "drafter"
     folder.mkdir()
@@ -322,11 +323,10 @@ def test_generate_batch_on_a_real_tokenizer_follows_the_drafters_schedule(tiny_t
 
 
 def test_the_batch_throttle_drafts_only_where_drafting_pays_at_the_live_batch_size(target, drafters):
-    """BatchThrottle on a made-up cost surface: a draft token costs 1% of a step at batch 1 and a whole step
+    """The adaptive policy in a batch, on a made-up cost surface: a draft token costs 1% of a step at batch 1 and a whole step
     at batch 4. The self-drafting target (it accepts nearly everything) drafts every step alone and stops
     in a batch of 4; a random EAGLE-3 (it accepts next to nothing) stops even alone, then only probes,
     ever more rarely. Every row stays greedy-exact."""
-    from selfdraft.inference.batch import BatchThrottle
     from selfdraft.inference.costs import CostSurface
 
     surface = CostSurface(batch_sizes=(1, 4), tokens=(1, 2, 16), seconds=((1.0, 1.01, 1.15), (2.0, 4.0, 32.0)),
@@ -335,9 +335,9 @@ def test_the_batch_throttle_drafts_only_where_drafting_pays_at_the_live_batch_si
     config = DecodeConfig(max_new_tokens=n)
     for name, rows, drafts_every_step in (("self-draft", 1, True), ("self-draft", 4, False), ("eagle3", 1, False)):
         drafter = drafters[name]
-        throttle = BatchThrottle(surface, draft_seconds=0.0)
+        throttle = Adaptive(surface, draft_seconds=0.0, cut=False)
         outs = batched_decode(BatchSession(target, hidden_layers=drafter.hidden_layers), PROMPTS[:rows], drafter,
-                              config, nodes_for_batch=throttle)
+                              config, policy=throttle)
         for prompt, out in zip(PROMPTS, outs):
             assert out.token_ids == reference(target, prompt, n), (name, rows)
             s = out.stats
@@ -347,7 +347,7 @@ def test_the_batch_throttle_drafts_only_where_drafting_pays_at_the_live_batch_si
             else:  # drafted its first steps (fewer in a batch: each step teaches it B rows), then plain steps
                 first = -(-throttle.min_drafted // rows)  # with a few probes between them
                 assert s.skipped_steps > 3 * (s.drafted_steps - first), (name, rows, s.drafted_steps, s.skipped_steps)
-        assert throttle.samples >= throttle.min_drafted
+        assert throttle.last.samples >= throttle.min_drafted
 
 
 def test_the_batch_throttle_charges_a_batched_drafter_its_batch_cost():
@@ -355,19 +355,20 @@ def test_the_batch_throttle_charges_a_batched_drafter_its_batch_cost():
     its batch costs. Same made-up surface and acceptance (4 tokens per row per drafted step, a step of 4
     rows costing 2 s plain and 2.2 s over the widest tree): a proposal of 3 s makes row-by-row drafting a
     loss at B = 4 (2.2 + 4 x 3 s for 4x the tokens of a 2 s step) and a batch proposal of 3 s a gain."""
-    from selfdraft.inference.batch import BatchThrottle
     from selfdraft.inference.costs import CostSurface
 
     surface = CostSurface(batch_sizes=(1, 4), tokens=(1, 16), seconds=((1.0, 1.1), (2.0, 2.2)), target="tiny",
                           dtype="float32", device="cpu", context=256, machine={})
-    row_by_row, batched = BatchThrottle(surface, 3.0), BatchThrottle(surface, lambda rows: 3.0)
+    row_by_row, batched = Adaptive(surface, 3.0).run(4), Adaptive(surface, lambda rows: 3.0).run(4)
+    rows, tree = range(4), DraftTree.chain(list(range(15)))
     for throttle in (row_by_row, batched):
         for _ in range(8):
-            throttle.record(4, 15, [4, 4, 4, 4])
+            throttle.record(rows, [tree] * 4, [4, 4, 4, 4], [None] * 4)
         assert not throttle.learning()
-    assert row_by_row.draft_seconds(4) == 12.0 and not row_by_row.pays(4)
-    assert batched.draft_seconds(4) == 3.0 and batched.pays(4)
-    assert row_by_row(4) == 0 and batched(4) is None  # a plain step; the drafter's whole tree
+    assert row_by_row.policy.draft_seconds(4) == 12.0 and not row_by_row.pays(4)
+    assert batched.policy.draft_seconds(4) == 3.0 and batched.pays(4)
+    # a plain step; the drafter's whole tree
+    assert row_by_row.plan(rows, [40] * 4) == 0 and batched.plan(rows, [40] * 4) is None
 
 
 class RightForSome(Drafter):
@@ -391,7 +392,6 @@ def test_one_row_that_accepts_nothing_keeps_a_fixed_batch_from_drafting(target):
     dear, a batch of a row that accepts everything and one that accepts nothing stops drafting (the mean
     tokens per row would pay; the slow row's 1 does not), while the good row alone drafts every step. Rows
     stay exact."""
-    from selfdraft.inference.batch import BatchThrottle
     from selfdraft.inference.costs import CostSurface
 
     surface = CostSurface(batch_sizes=(1, 4), tokens=(1, 5), seconds=((1.0, 1.5), (2.0, 3.0)), target="tiny",
@@ -401,12 +401,34 @@ def test_one_row_that_accepts_nothing_keeps_a_fixed_batch_from_drafting(target):
     refs = {tuple(p): reference(target, p, n + 8) for p in prompts}
     drafter = RightForSome(refs, {tuple(prompts[0])})
     config = DecodeConfig(max_new_tokens=n)
-    alone = batched_decode(BatchSession(target), prompts[:1], drafter, config, nodes_for_batch=BatchThrottle(surface, 0.0))
+    alone = batched_decode(BatchSession(target), prompts[:1], drafter, config, policy=Adaptive(surface, 0.0, cut=False))
     assert alone[0].stats.skipped_steps == 0 and alone[0].token_ids == refs[tuple(prompts[0])][:n]
-    throttle = BatchThrottle(surface, 0.0)
-    outs = batched_decode(BatchSession(target), prompts, drafter, config, nodes_for_batch=throttle)
+    throttle = Adaptive(surface, 0.0, cut=False)
+    outs = batched_decode(BatchSession(target), prompts, drafter, config, policy=throttle)
     for p, out in zip(prompts, outs):
         assert out.token_ids == refs[tuple(p)][:n]
-    assert throttle.row_tokens[0] >= 1.9 and throttle.row_tokens[1] == 1.0  # it learnt on one cheap node a row
+    assert throttle.last.row_tokens[0] >= 1.9 and throttle.last.row_tokens[1] == 1.0  # it learnt on one cheap node a row
     slow = outs[1].stats
     assert slow.skipped_steps > 2 * (slow.drafted_steps - throttle.min_drafted // 2), (slow.drafted_steps, slow.skipped_steps)
+
+
+def test_the_value_cut_acts_at_every_batch_size_and_rows_stay_exact(target):
+    """Copying's trees carry values; the policy's cut (no gate) verifies only the width that pays at the
+    live batch size: on a surface where verifying is nearly free alone and dear at 4 rows, a batch of 4
+    verifies fewer nodes per drafted row-step than each prompt alone, and every row equals its greedy output."""
+    from selfdraft.inference.costs import CostSurface
+
+    surface = CostSurface(batch_sizes=(1, 4), tokens=(1, 2, 9), seconds=((1.0, 1.01, 1.1), (2.0, 2.6, 9.0)),
+                          target="tiny", dtype="float32", device="cpu", context=256, machine={})
+    n = 48
+    prompts = [PROMPTS[0] * 2, PROMPTS[1] * 2, PROMPTS[2] * 2, PROMPTS[0] + PROMPTS[2]]  # repeats, for copying
+    config = DecodeConfig(max_new_tokens=n)
+    outs = batched_decode(BatchSession(target), prompts, CopyDrafter(), config, policy=Adaptive(surface, 0.0, gate=False))
+    alone = [batched_decode(BatchSession(target), [p], CopyDrafter(), config, policy=Adaptive(surface, 0.0, gate=False))[0]
+             for p in prompts]
+    for p, out, one in zip(prompts, outs, alone):
+        assert out.token_ids == one.token_ids == reference(target, p, n)
+    per_step = sum(o.stats.draft_nodes for o in outs) / sum(o.stats.drafted_steps for o in outs)
+    per_step_alone = sum(o.stats.draft_nodes for o in alone) / sum(o.stats.drafted_steps for o in alone)
+    assert sum(o.stats.proposed_nodes for o in outs) > sum(o.stats.draft_nodes for o in outs) > 0
+    assert per_step < per_step_alone, (per_step, per_step_alone)

@@ -90,7 +90,7 @@ def test_a_trained_block_drafter_decodes_exactly(kind, tiny_target, tmp_path):
     from selfdraft.inference.api import generate
     from selfdraft.inference.decode import speculative_decode
     from selfdraft.inference.costs import CostSurface
-    from selfdraft.inference.schedule import VerifySchedule
+    from selfdraft.inference.policy import Adaptive
     from selfdraft.inference.session import CausalLMSession
     from selfdraft.inference.specs import make_drafter
     from selfdraft.train.loop import train
@@ -117,7 +117,7 @@ def test_a_trained_block_drafter_decodes_exactly(kind, tiny_target, tmp_path):
     reference = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                       do_sample=False, max_new_tokens=32, pad_token_id=0)[0, len(ids):].tolist()
     out = generate(target, input_ids=ids, drafter=str(result.drafter_dir), max_new_tokens=32, stop_on_eos=False,
-                   schedule="off", adaptive="off")
+                   policy="fixed")
     assert out.token_ids == reference and out.drafter == kind
     assert out.draft_nodes_per_step == pytest.approx(dims.drafts_per_block, abs=1.0)
     # Branching where the drafter is unsure: a tree of 2 x the block's drafts from the same forward.
@@ -125,28 +125,28 @@ def test_a_trained_block_drafter_decodes_exactly(kind, tiny_target, tmp_path):
     branching = make_drafter(str(result.drafter_dir), target, tree={"top_k": 2})
     propose = branching.propose_batch
     branching.propose_batch = lambda states, sequences: [trees.append(t) or (t, s) for t, s in propose(states, sequences)]
-    out = generate(target, input_ids=ids, drafter=branching, max_new_tokens=32, stop_on_eos=False, schedule="off",
-                   adaptive="off")
+    out = generate(target, input_ids=ids, drafter=branching, max_new_tokens=32, stop_on_eos=False, policy="fixed")
     assert out.token_ids == reference and branching.max_nodes == 2 * dims.drafts_per_block
     assert trees and all(t.num_nodes == branching.max_nodes and len(set(t.parent_ids)) < t.num_nodes for t in trees)
 
     # Confidence-scheduled: cut at lengths that vary with the drafter's confidence, exact all the same.
     drafter = make_drafter(str(result.drafter_dir), target)
-    assert drafter.valued_nodes == dims.drafts_per_block
+    assert drafter.max_nodes == dims.drafts_per_block
     verified = set()
     for per_token in (0.0, 0.00005, 0.0005, 0.005):
         trees = []
 
-        class Recording(VerifySchedule):
-            def cut(self, tree):
-                kept = super().cut(tree)
-                trees.append(kept.num_nodes)
-                return kept
+        class Recording(Adaptive):  # the value cut alone, recording what it verifies
+            def run(self, rows):
+                run = super().run(rows)
+                verify = run.verify
+                run.verify = lambda proposed, seconds: [trees.append(t.num_nodes) or t for t in verify(proposed, seconds)]
+                return run
 
         cost = CostSurface.row(tuple(0.01 + per_token * m for m in range(1, 9)), target="t", dtype="float32", device="cpu", context=256)
         session = CausalLMSession(target.model, hidden_layers=drafter.hidden_layers)
         scheduled = speculative_decode(session, ids, drafter, DecodeConfig(max_new_tokens=32, stop_on_eos=False),
-                                       schedule=Recording(cost))
+                                       policy=Recording(cost, 0.0, gate=False))
         assert scheduled.token_ids == reference, f"scheduled at {per_token} s per token: not the target's output"
         assert scheduled.stats.draft_nodes == sum(trees) <= scheduled.stats.proposed_nodes
         verified.update(trees)

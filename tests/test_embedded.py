@@ -42,19 +42,19 @@ def test_every_drafter_is_token_identical(embedded_fp32, truncated_smollm2):
             "draft-model:smollm2-135m", target, tree=dataclasses.replace(DRAFT_MODEL_TREE, depth=4, top_k=2, max_nodes=8)
         ),
     }
-    # Every step drafts (adaptive off), so every step's draft is verified; "draft-model-tree, adaptive"
-    # decodes the writing prompt with the default throttle, which switches that (slow on a CPU) drafter
-    # off and on (tests/test_adaptive.py checks the throttle with every drafter kind).
-    runs = {name: (drafter, "off") for name, drafter in drafters.items()}
-    runs["draft-model-tree, adaptive"] = (drafters["draft-model-tree"], "on")
+    # Every step drafts (policy cut), so every step's draft is verified; "draft-model-tree, adaptive"
+    # decodes the writing prompt with the default policy, which switches that (slow on a CPU) drafter
+    # off and on (tests/test_adaptive.py checks the adaptive policy with every drafter kind).
+    runs = {name: (drafter, "cut") for name, drafter in drafters.items()}
+    runs["draft-model-tree, adaptive"] = (drafters["draft-model-tree"], "adaptive")
     accepted = {name: [] for name in runs}
     for i, prompt in enumerate(prompts):
         ids = encode_prompt(target.tokenizer, prompt.text, prompt.chat)
         ref = reference(target, ids)
-        for name, (drafter, adaptive) in runs.items():
-            if adaptive == "on" and i > 0:
+        for name, (drafter, policy) in runs.items():
+            if policy == "adaptive" and i > 0:
                 continue
-            result = generate(target, input_ids=ids, drafter=drafter, max_new_tokens=NEW_TOKENS, adaptive=adaptive)
+            result = generate(target, input_ids=ids, drafter=drafter, max_new_tokens=NEW_TOKENS, policy=policy)
             assert result.token_ids == ref, f"{name} on {prompt.id} diverges from generate()"
             accepted[name].append(result.acceptance_length)
     assert all(t == 1.0 for t in accepted["none"])

@@ -63,10 +63,10 @@ def decodes_exactly(target, drafter, prompts, refs) -> None:
 
     for ids, ref in zip(prompts, refs):
         out = generate(target, input_ids=ids, drafter=drafter, max_new_tokens=NEW_TOKENS, stop_on_eos=False,
-                       schedule="off", adaptive="off")
+                       policy="fixed")
         assert out.token_ids == ref, f"{drafter} at batch 1"
     outs = generate_batch(target, input_ids=prompts, drafter=drafter, max_new_tokens=NEW_TOKENS, stop_on_eos=False,
-                          speculation="off")
+                          policy="fixed")
     assert [o.token_ids for o in outs] == refs, f"{drafter} batched"
 
 

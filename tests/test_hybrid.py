@@ -14,7 +14,6 @@ from selfdraft.errors import SelfdraftError
 from selfdraft.inference.drafters import Drafter, Verified
 from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter, longest_suffix_match, valued_tree
 from selfdraft.inference.costs import CostSurface
-from selfdraft.inference.schedule import VerifySchedule
 from selfdraft.inference.tree import DraftTree
 
 
@@ -98,12 +97,12 @@ def test_the_merged_tree_is_one_trie_valued_by_the_better_source():
 
 def test_calibration_follows_what_the_target_accepts_and_the_drafter_is_skipped_when_copying_suffices():
     """A drafter whose nodes the target always rejects loses its weight; with a cost, it stops running
-    while copying is sure, and runs again every ``probe_every`` steps."""
+    while copying is sure, and runs again on the policy's back-off probes: after 4 steps, then after
+    twice as many each time it stays far from paying."""
     seq = [1, 2, 3, 4] * 6 + [1, 2, 3]  # copying is sure of 4
     model = Scripted(DraftTree.chain([8, 9], [0.9, 0.8]))
-    schedule = VerifySchedule(CostSurface.row(tuple(1.0 + 0.01 * m for m in range(64)), target="toy", dtype="float32", device="cpu", context=256))
-    hybrid = HybridDrafter(model, CopyDrafter(CopyConfig(depth=1)), HybridConfig(), schedule=schedule,
-                           model_seconds=0.2, probe_every=8)
+    cost = CostSurface.row(tuple(1.0 + 0.01 * m for m in range(64)), target="toy", dtype="float32", device="cpu", context=256)
+    hybrid = HybridDrafter(model, CopyDrafter(CopyConfig(depth=1)), HybridConfig(), cost=cost, model_seconds=0.2)
     state = hybrid.start(seq, None)
     ran = []
     for _ in range(40):
@@ -113,6 +112,6 @@ def test_calibration_follows_what_the_target_accepts_and_the_drafter_is_skipped_
         state = hybrid.observe(state, Verified([4, 5]))  # the copy's 4 is accepted, never the model's 8
     copy_cal, model_cal = state.calibration
     assert copy_cal.ratio > 1.0 > 0.5 > model_cal.ratio
-    assert ran[0] and ran.count(True) <= 40 // 8 + 1 and all(ran[i] for i in range(0, 40, 8)), ran
+    assert [i for i, r in enumerate(ran) if r] == [0, 5, 14, 31], ran
     assert state.model_steps == ran.count(True) and state.steps == 40
     assert tree.token_ids == (4,)  # the last step did not run the drafter: the copy's tree alone

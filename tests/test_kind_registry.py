@@ -208,3 +208,52 @@ def test_a_run_of_an_unknown_kind_is_refused_before_anything_runs(tiny_target, t
     with pytest.raises(SelfdraftError, match="unknown drafter kind 'nope'; known kinds: dflash, dspark, eagle, eagle3, medusa"):
         train(toy_config(tiny_target, tmp_path / "run", "drafter.kind=nope"))
     assert not (tmp_path / "run").exists()
+
+
+class _Fixed:
+    """A toy untrained drafter for the spec registry test: always drafts the chain ARGUMENT's digits."""
+
+    @classmethod
+    def from_spec(cls, argument, target, options):
+        from selfdraft.inference.drafters import Drafter
+        from selfdraft.inference.tree import DraftTree
+
+        class Chain(Drafter):
+            name = f"digits:{argument}"
+            max_nodes = len(argument)
+
+            def propose(self, state, sequence):
+                return DraftTree.chain([int(c) for c in argument]), state
+
+        return Chain()
+
+
+def test_a_drafter_that_needs_no_training_is_found_by_its_registry_entry():
+    """make_drafter finds the untrained drafters the way trained kinds are found: by their registry entry
+    (one added at run time included), never by a name written in make_drafter; an unknown spec names
+    every registered one; the CLI's help lists them without importing torch."""
+    import subprocess
+    import sys
+
+    from selfdraft.inference import drafter_specs
+    from selfdraft.inference.drafter_specs import DrafterSpec, register_spec
+    from selfdraft.inference.specs import make_drafter
+
+    entry = register_spec(DrafterSpec("digits", "drafts the digits of its argument", f"{__name__}:_Fixed.from_spec",
+                                      argument="DIGITS"))
+    try:
+        drafter = make_drafter("digits:123", None)
+        assert drafter.name == "digits:123" and drafter.propose(None, [1])[0].token_ids == (1, 2, 3)
+        assert make_drafter("none", None).max_nodes == 0 and make_drafter("copy", None).name == "copy"
+        with pytest.raises(SelfdraftError, match="unknown drafter 'digits'.*none, prompt-lookup, copy, "
+                                                 "draft-model:SPEC, hybrid:SPEC, digits:DIGITS, PATH"):
+            make_drafter("digits", None)
+        with pytest.raises(SelfdraftError, match="a drafter named 'digits' is already registered"):
+            register_spec(DrafterSpec("digits", "another", "x:y"))
+    finally:
+        drafter_specs._SPECS.pop(entry.name)
+    code = ("import sys; from selfdraft.cli import build_parser; build_parser(); "
+            "print(any(m.split('.')[0] in ('torch', 'transformers') for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    source = open(make_drafter.__code__.co_filename, encoding="utf-8").read()
+    assert not any(f'"{e.name}"' in source for e in drafter_specs.drafter_specs()), "make_drafter names a drafter"

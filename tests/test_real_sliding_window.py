@@ -149,12 +149,12 @@ def test_prompt_lookup_is_token_identical_past_the_window(gemma3):
     assert all(len(r) == NEW_TOKENS for r in refs)
 
     one = generate(gemma3, input_ids=long, drafter="prompt-lookup", max_new_tokens=NEW_TOKENS, temperature=0.0,
-                   adaptive="off")
+                   policy="cut")
     assert one.token_ids == refs[0], "prompt lookup diverges from generate() past the sliding window"
     assert one.acceptance_length > 1.5, one.acceptance_length  # drafts were verified and accepted, across the window
 
     rows = generate_batch(gemma3, input_ids=[long, short], drafter="prompt-lookup", max_new_tokens=NEW_TOKENS,
-                          temperature=0.0, speculation="off")
+                          temperature=0.0, policy="fixed")
     for i, (row, ref) in enumerate(zip(rows, refs)):
         assert row.token_ids == ref, f"batch row {i} diverges from generate() past the sliding window"
     assert min(r.acceptance_length for r in rows) > 1.5, [r.acceptance_length for r in rows]

@@ -23,7 +23,6 @@ about), and the right walk that forgets to renormalise the residual.
 
 from __future__ import annotations
 
-import dataclasses
 
 import itertools
 import time
@@ -38,6 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from selfdraft.configs.decode import DecodeConfig
 from selfdraft.inference.decode import speculative_decode
 from selfdraft.inference.drafters import Drafter
+from selfdraft.inference.policy import FIXED
 from selfdraft.inference.session import CausalLMSession, StepOutput
 from selfdraft.inference.tree import DraftTree, build_tree_buffers
 from selfdraft.inference.verify import sample_verify, target_probs
@@ -265,21 +265,20 @@ class Samples:
     counts: np.ndarray  # (V^L,) int64, continuations by np.ravel_multi_index
     drafted: Counter  # depth d -> runs x steps whose tree reached depth d
     accepted: Counter  # depth d -> runs x steps that accepted a draft token at depth d
-    skipped: int = 0  # runs x steps the adaptive throttle decoded plain
+    skipped: int = 0  # runs x steps the adaptive policy decoded plain
 
 
-def sample_counts(make_session, drafter, sampling: Sampling, n: int, *, rule=sample_verify, seed0=0, schedule=None,
-                  throttle=None) -> Samples:
-    """The continuations of ``n`` independent runs of the decoding loop (seeds seed0 .. seed0 + n - 1),
-    its trees cut by ``schedule`` and its steps throttled by ``throttle`` if given (a fresh copy per run,
-    nothing learnt from the runs before: each run is a first request)."""
+def sample_counts(make_session, drafter, sampling: Sampling, n: int, *, rule=sample_verify, seed0=0,
+                  policy=FIXED) -> Samples:
+    """The continuations of ``n`` independent runs of the decoding loop (seeds seed0 .. seed0 + n - 1)
+    under the drafting ``policy`` (what it learns forgotten before each run: each run is a first request)."""
     samples = Samples(np.zeros(VOCAB**NEW_TOKENS, dtype=np.int64), Counter(), Counter())
     for i in range(n):
         config = DecodeConfig(max_new_tokens=NEW_TOKENS, temperature=sampling.temperature, top_k=sampling.top_k,
                               top_p=sampling.top_p, seed=seed0 + i, stop_on_eos=False)
-        fresh = None if throttle is None else dataclasses.replace(throttle, learnt=type(throttle.learnt)())
-        out = speculative_decode(make_session(), PROMPT, drafter, config, sample_rule=rule, schedule=schedule,
-                                 throttle=fresh)
+        if hasattr(policy, "learnt"):
+            policy.learnt = type(policy.learnt)()
+        out = speculative_decode(make_session(), PROMPT, drafter, config, sample_rule=rule, policy=policy)
         assert len(out.token_ids) == NEW_TOKENS, out
         samples.counts[np.ravel_multi_index(tuple(out.token_ids), (VOCAB,) * NEW_TOKENS)] += 1
         samples.drafted.update(out.stats.depth_drafted)
@@ -433,20 +432,20 @@ def test_speculative_sampling_has_target_distribution_at_the_size_that_rejects_b
 
 
 def test_adaptive_throttle_keeps_the_target_distribution(target, drafters, law):
-    """With the adaptive throttle, whether a step drafts depends on what earlier steps accepted (random
+    """With the adaptive policy, whether a step drafts depends on what earlier steps accepted (random
     under sampling). Each step is still decided before the target sees it, so the law is the target's:
     here a step drafts after a step that accepted a draft token and decodes plain after one that did
     not (memory 0, a one-step wait), so half the runs or so take a plain second step."""
-    from selfdraft.inference.adaptive import Throttle
     from selfdraft.inference.costs import CostSurface
+    from selfdraft.inference.policy import Adaptive
 
     sampling, n = Sampling(1.0), BIASED_N
     # T(1) = 1, T(4) = 1.4, drafting 0.1: a drafted step pays when it emits more than 1.5 tokens.
     cost = CostSurface.row(tuple(1.0 + 0.4 * (m - 1) / 3 for m in range(1, 5)), target="t", dtype="float32", device="cpu", context=8)
-    throttle = Throttle(cost, 0.1, memory=0.0, slack=0.0, min_drafted=1, first_wait=1, longest_wait=1)
+    throttle = Adaptive(cost, 0.1, cut=False, memory=0.0, slack=0.0, min_drafted=1, first_wait=1, longest_wait=1)
     probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
-    samples = sample_counts(lambda: TableSession(target), drafters["chain"], sampling, n, seed0=3 * 10**6, throttle=throttle)
+    samples = sample_counts(lambda: TableSession(target), drafters["chain"], sampling, n, seed0=3 * 10**6, policy=throttle)
     pvalue, tv = _check(law, f"throttled chain {sampling}", samples, probs, time.perf_counter() - start)
     assert pvalue > ALPHA, f"throttled chain, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
     _assert_exercised(samples, f"throttled chain {sampling}")
@@ -454,14 +453,14 @@ def test_adaptive_throttle_keeps_the_target_distribution(target, drafters, law):
 
 
 def test_hybrid_drafting_keeps_the_target_distribution(target, drafters, law):
-    """The hybrid merges copying and the draft chain into one tree, cuts it by a cost curve, and skips the
-    draft model on steps where copying looks sure; its calibration and that choice follow what earlier
+    """The hybrid merges copying and the draft chain into one tree, the policy cuts it by a cost curve, and
+    the draft model rests on steps where copying looks sure; its calibration and that choice follow what earlier
     steps accepted (random under sampling). Each tree is still fixed before the target sees the step,
     so the law is the target's."""
     from selfdraft.configs.decode import CopyConfig
     from selfdraft.inference.costs import CostSurface
     from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter
-    from selfdraft.inference.schedule import VerifySchedule
+    from selfdraft.inference.policy import Adaptive
 
     class Counting(HybridDrafter):
         merged = skipped = 0
@@ -475,11 +474,11 @@ def test_hybrid_drafting_keeps_the_target_distribution(target, drafters, law):
 
     sampling, n = Sampling(1.0), BIASED_N
     cost = CostSurface.row(tuple(1.0 + 0.05 * m for m in range(8)), target="t", dtype="float32", device="cpu", context=8)
-    hybrid = Counting(drafters["chain"], CopyDrafter(CopyConfig(depth=3)), schedule=VerifySchedule(cost),
-                      model_seconds=0.5, probe_every=3)
+    hybrid = Counting(drafters["chain"], CopyDrafter(CopyConfig(depth=3)), cost=cost, model_seconds=0.5)
     probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
-    samples = sample_counts(lambda: TableSession(target), hybrid, sampling, n, seed0=4 * 10**6)
+    samples = sample_counts(lambda: TableSession(target), hybrid, sampling, n, seed0=4 * 10**6,
+                            policy=Adaptive(cost, 0.0, gate=False))
     pvalue, tv = _check(law, f"hybrid {sampling}", samples, probs, time.perf_counter() - start)
     print(f"steps with both sources {Counting.merged}, steps without the draft model {Counting.skipped}")
     assert pvalue > ALPHA, f"hybrid, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
@@ -642,23 +641,32 @@ def test_block_drafter_session_has_target_distribution(kind, top_k, target_model
     sampling, n = Sampling(1.0), 4_000
     probs = law.exact_logits(target.host, VOCAB, PROMPT, NEW_TOKENS, sampling)
     start = time.perf_counter()
-    schedule = None
+    schedule = FIXED
     if kind == "dspark":
         from selfdraft.inference.costs import CostSurface
-        from selfdraft.inference.schedule import VerifySchedule
+        from selfdraft.inference.policy import Adaptive
 
-        class Counting(VerifySchedule):
+        class Counting(Adaptive):  # the value cut alone, counting what it verifies
             kept = Counter()
             branching = Counter()  # verified trees by whether they branch
 
-            def cut(self, tree):
-                out = super().cut(tree)
-                self.kept[(tree.num_nodes, out.num_nodes)] += 1
-                self.branching[len(set(out.parent_ids)) < out.num_nodes] += 1
-                return out
+            def run(self, rows):
+                run = super().run(rows)
+                verify = run.verify
+
+                def counting(trees, seconds):
+                    cut = verify(trees, seconds)
+                    for tree, out in zip(trees, cut):
+                        self.kept[(tree.num_nodes, out.num_nodes)] += 1
+                        self.branching[len(set(out.parent_ids)) < out.num_nodes] += 1
+                    return cut
+
+                run.verify = counting
+                return run
 
         per_token = 0.008 if top_k == 1 else 0.0005  # a tree's branches are verified where tokens cost little
-        schedule = Counting(CostSurface.row(tuple(0.01 + per_token * m for m in range(1, 3 * top_k + 3)), target="t", dtype="float32", device="cpu", context=8))
+        schedule = Counting(CostSurface.row(tuple(0.01 + per_token * m for m in range(1, 3 * top_k + 3)), target="t",
+                                            dtype="float32", device="cpu", context=8), 0.0, gate=False)
     branched = Counter()  # proposals by whether they branch
     propose = drafter.propose
 
@@ -669,14 +677,14 @@ def test_block_drafter_session_has_target_distribution(kind, top_k, target_model
 
     drafter.propose = counting_propose
     samples = sample_counts(lambda: CausalLMSession(target_model, hidden_layers=drafter.hidden_layers), drafter, sampling, n,
-                            seed0=2 * 10**6, schedule=schedule)
+                            seed0=2 * 10**6, policy=schedule)
     pvalue, tv = _check(law, f"CausalLMSession {kind} top_k={top_k} {sampling}", samples, probs, time.perf_counter() - start)
     assert pvalue > ALPHA, f"{kind}, {sampling}: chi-square p-value {pvalue:.3g} <= {ALPHA} (TV {tv:.4f}, n={n})"
     assert samples.accepted[1] > 0.05 * n and samples.drafted[1] - samples.accepted[1] > 0.05 * n, \
         f"{kind}: depth 1 accepted {samples.accepted[1]} of {samples.drafted[1]} drafts in {n} runs: the test proves little"
     wanted = branched[True] > 0.5 * branched.total() if top_k > 1 else not branched[True]
     assert wanted, f"{kind}, top_k={top_k}: proposals by whether they branch {dict(branched)}"
-    if schedule is not None:
+    if schedule is not FIXED:
         steps = sum(schedule.kept.values())
         cut = sum(count for (before, after), count in schedule.kept.items() if after < before)
         lengths = {after for (_, after) in schedule.kept}

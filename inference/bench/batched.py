@@ -8,9 +8,9 @@ are decoded in consecutive groups of B (the last one smaller when B does not div
 at a time, after a short warm-up on the first group; tokens/s = all new tokens / the summed wall time of the groups.
 
 Methods: our loop (``none``, ``prompt-lookup``, ``copy``, ``draft-model:SPEC``, ``hybrid:SPEC``, a drafter
-folder; each group through :func:`~selfdraft.inference.batch.batched_decode`, with the folder's speculation
-schedule where it has one, else a :class:`~selfdraft.inference.batch.BatchThrottle` per group, unless
-``--speculation off``), ``hf-greedy`` (``generate()`` on the group, left
+folder; each group through :func:`~selfdraft.inference.batch.batched_decode` under the drafting policy,
+``--policy``: by default the folder's speculation profile where it has one, else the adaptive policy of
+inference/policy.py, one per batch size, learning across its groups), ``hf-greedy`` (``generate()`` on the group, left
 padded) and ``vllm:FOLDER`` / ``vllm:none`` (the group handed to the engine in one call, as a server sees
 B concurrent requests). Greedy only: every row is compared with ``none``'s output at batch 1.
 """
@@ -50,14 +50,14 @@ def _trim(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
-def _loop_group(runner: LoopRunner, group, max_new_tokens: int, budget) -> tuple[list[list[int]], int, int]:
+def _loop_group(runner: LoopRunner, group, max_new_tokens: int, policy) -> tuple[list[list[int]], int, int]:
     """Our batched loop on one group: (tokens per row, row-steps, drafted row-steps)."""
     from selfdraft.inference.batch import BatchSession, batched_decode
 
     target, drafter = runner.target, runner.drafter
     outs = batched_decode(BatchSession(target.model, hidden_layers=drafter.hidden_layers), group, drafter,
                           DecodeConfig(max_new_tokens=max_new_tokens), eos_token_ids=target.eos_token_ids,
-                          max_context=target.max_context, nodes_for_batch=budget)
+                          max_context=target.max_context, policy=policy)
     return ([o.token_ids for o in outs], sum(o.stats.target_forwards for o in outs),
             sum(o.stats.drafted_steps for o in outs))
 
@@ -106,24 +106,25 @@ def _vllm_groups(runner: VllmRunner, prompts, size: int, max_new_tokens: int):
 
 def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[str], batch_sizes: Sequence[int],
                     max_new_tokens: int = 64, limit: int | None = 16, out: str | os.PathLike = "bench", *,
-                    dtype: str = "auto", device: str = "cpu", speculation: str = "auto", plots: bool = True,
+                    dtype: str = "auto", device: str = "cpu", policy: str = "auto", plots: bool = True,
                     progress: bool = True, command: str | None = None) -> dict:
     """Tokens/s of every method at every batch size (module docstring); writes ``out``/batches.json,
-    batches.md and batches.png (atomically) and returns what batches.json holds. ``speculation="auto"``:
-    a drafter folder with a speculation profile drafts per batch size what the profile says pays, any
-    other drafter while drafting pays by the measured costs (``"off"``: the drafter's tree every step)."""
+    batches.md and batches.png (atomically) and returns what batches.json holds. ``policy``: how much our
+    loop drafts where a method does not say (inference/policy.py): ``auto``, a drafter folder with a
+    speculation profile drafts per batch size what the profile says pays, any other drafter while drafting
+    pays by the measured costs; ``fixed``, the drafter's tree every step."""
     from tqdm import tqdm
 
     from selfdraft.inference.api import encode_prompt
-    from selfdraft.inference.batch import batch_budgets
+    from selfdraft.configs.decode import POLICIES
     from selfdraft.inference.costs import check_batch_fits
     from selfdraft.machine import describe
 
     sizes = sorted(set(int(b) for b in batch_sizes))
     if not sizes or sizes[0] < 1:
         raise SelfdraftError(f"batch sizes must be integers >= 1, got {list(batch_sizes)}")
-    if speculation not in ("auto", "off"):
-        raise SelfdraftError(f"speculation must be auto or off, got {speculation!r}")
+    if policy not in POLICIES:
+        raise SelfdraftError(f"unknown drafting policy {policy!r}; choose one of {', '.join(POLICIES)}")
     choices = [parse_method(m) for m in (split_methods(methods) if isinstance(methods, str) else methods)]
     if not any(c.label == BASELINE for c in choices):
         choices.insert(0, parse_method(BASELINE))
@@ -138,7 +139,7 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
     if not prompts:
         raise SelfdraftError(f"tasks {names} hold no prompts")
     check_batch_fits(target.model, sizes[-1], max(map(len, prompts)) + max_new_tokens)
-    runners, budgets = {}, {}
+    runners = {}
     for c in choices:
         runner = c.method.build(target, c.argument, c.options)
         if not (isinstance(runner, (LoopRunner, VllmRunner))
@@ -146,8 +147,9 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
             raise SelfdraftError(f"{c.label}: batched, the bench runs our loop's methods, hf-greedy and vllm:FOLDER; "
                                  "transformers' prompt lookup and assisted generation decode one prompt at a time")
         runners[c.label] = runner
-        budgets[c.label] = batch_budgets(target, runner.drafter, c.argument) \
-            if speculation == "auto" and isinstance(runner, LoopRunner) else (lambda rows: None)
+        if isinstance(runner, LoopRunner):  # every size's policy (its costs) made before anything is timed
+            for size in sizes:
+                runner.policy_at(size, policy)
     rows, reference = [], None
     bar = tqdm(total=len(runners) * len(sizes), desc="batched bench", disable=not progress)
     for size in sizes:
@@ -157,7 +159,7 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
                 tokens, tau, seconds = _vllm_groups(runner, prompts, size, max_new_tokens)
             else:
                 decode = (lambda g, n: _hf_group(runner, g, n)) if isinstance(runner, HFRunner) else \
-                    (lambda g, n: _loop_group(runner, g, n, budgets[label](len(g))))
+                    (lambda g, n: _loop_group(runner, g, n, runner.policy_at(size, policy)))
                 tokens, steps, drafted, seconds = _timed_groups(decode, prompts, size, max_new_tokens)
                 tau = sum(map(len, tokens)) / steps if steps else None
             if label == BASELINE and size == 1:
@@ -174,7 +176,7 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
         row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
     results = {"meta": {"target": target.identity.name, "dtype": str(target.dtype), "device": str(target.device),
                         "batch_sizes": sizes, "tasks": names, "max_new_tokens": max_new_tokens, "prompts": len(prompts),
-                        "speculation": speculation, "machine": describe(str(target.device)), "command": command,
+                        "policy": policy, "machine": describe(str(target.device)), "command": command,
                         "engines": {label: r.version for label, r in runners.items() if isinstance(r, VllmRunner)}},
                "rows": rows}
     out = pathlib.Path(out)

@@ -27,20 +27,34 @@ def _share(text: str) -> float:
     return value
 
 
-def _verify_schedule(text: str) -> str:
-    if text not in ("confidence", "off"):
-        raise ValueError("must be confidence or off")
+def _policy(text: str) -> str:
+    from selfdraft.configs.decode import POLICIES
+
+    if text not in POLICIES:
+        raise ValueError(f"must be one of {', '.join(POLICIES)}")
     return text
 
 
-def _adaptive(text: str) -> str:
-    if text not in ("on", "off"):
+def _on_off(text: str) -> str:
+    if text not in ("on", "off", "confidence"):
         raise ValueError("must be on or off")
     return text
 
 
-_ADAPTIVE_OPTION = {"adaptive": (_adaptive, "on (default): draft only while drafting pays for the request, probing "
-                                 "now and then once it stops paying; off: draft every step")}
+_POLICY_OPTION = {
+    "policy": (_policy, "how much to draft (`selfdraft generate --help`): auto (default), adaptive, cut, fixed or profile"),
+    "adaptive": (_on_off, "the previous release's option (on: policy=adaptive, off: policy=cut)"),
+    "schedule": (_on_off, "the previous release's option (off with adaptive=off: policy=fixed)"),
+}
+
+
+def _take_policy(options: dict) -> str | None:
+    """Pop the policy options from a method's ``options``: the policy named, or None (the bench's)."""
+    from selfdraft.inference.policy import legacy_policy
+
+    adaptive, schedule = options.pop("adaptive", None), options.pop("schedule", None)
+    policy = options.pop("policy", None)
+    return legacy_policy(adaptive, schedule) or policy
 
 
 def _schedule(text: str) -> str:
@@ -99,15 +113,16 @@ def _prompt_lookup_config(options: dict) -> PromptLookupConfig:
 def _build_prompt_lookup(target, argument, options):
     from selfdraft.inference.drafters import PromptLookupDrafter
 
-    return LoopRunner(target, PromptLookupDrafter(_prompt_lookup_config(options)), adaptive=options.get("adaptive", "on"))
+    options = dict(options)
+    return LoopRunner(target, PromptLookupDrafter(_prompt_lookup_config(options)), _take_policy(options))
 
 
 def _build_draft_model(target, argument, options):
     from selfdraft.inference.specs import make_drafter
 
     options = dict(options)
-    adaptive = options.pop("adaptive", "on")
-    return LoopRunner(target, make_drafter(f"draft-model:{argument}", target, tree=options or None), adaptive=adaptive)
+    policy = _take_policy(options)
+    return LoopRunner(target, make_drafter(f"draft-model:{argument}", target, tree=options or None), policy)
 
 
 def _build_copy(target, argument, options):
@@ -115,8 +130,8 @@ def _build_copy(target, argument, options):
     from selfdraft.inference.hybrid import CopyDrafter
 
     options = dict(options)
-    adaptive = options.pop("adaptive", "on")
-    return LoopRunner(target, CopyDrafter(CopyConfig(**options)), adaptive=adaptive)
+    policy = _take_policy(options)
+    return LoopRunner(target, CopyDrafter(CopyConfig(**options)), policy)
 
 
 def _build_hybrid(target, argument, options):
@@ -125,10 +140,10 @@ def _build_hybrid(target, argument, options):
     from selfdraft.inference.specs import make_drafter
 
     options = dict(options)
-    adaptive = options.pop("adaptive", "on")
+    policy = _take_policy(options)
     config = HybridConfig(**({"max_nodes": options.pop("max_nodes")} if "max_nodes" in options else {}))
     inner = make_drafter(argument, target, tree=options or None)
-    return LoopRunner(target, hybrid_for(target, inner, config), adaptive=adaptive)
+    return LoopRunner(target, hybrid_for(target, inner, config), policy)
 
 
 def _build_hf_prompt_lookup(target, argument, options):
@@ -171,18 +186,18 @@ register(Method("none", lambda t, a, o: LoopRunner(t, _no_drafter()), "our loop 
 register(Method("prompt-lookup", _build_prompt_lookup, "our loop, copying continuations of earlier n-grams", {
     "tokens": (_positive_int, "draft tokens per match"), "max_ngram": (_positive_int, "longest n-gram looked up"),
     "min_ngram": (_positive_int, "shortest n-gram looked up"), "branches": (_positive_int, "continuations merged into a tree"),
-    "max_nodes": (_positive_int, "draft tokens per tree (the node budget)"), **_ADAPTIVE_OPTION}))
+    "max_nodes": (_positive_int, "draft tokens per tree (the node budget)"), **_POLICY_OPTION}))
 register(Method("copy", _build_copy, "our loop, copying the frequent continuations of the longest earlier match of "
                 "the text's suffix (SuffixDecoding's way; cut to what pays on this machine)", {
     "depth": (_positive_int, "deepest copied token"), "max_nodes": (_positive_int, "draft tokens per tree (the node budget)"),
-    "max_pattern": (_positive_int, "longest suffix matched"), **_ADAPTIVE_OPTION}))
+    "max_pattern": (_positive_int, "longest suffix matched"), **_POLICY_OPTION}))
 register(Method("hybrid", _build_hybrid, "our loop with copying and the drafter SPEC (a drafter folder or "
                 "draft-model:SPEC) merged into one tree per step", {
     "max_nodes": (_positive_int, "draft tokens in the merged tree (the node budget)"),
     "depth": (_positive_int, "the drafter's draft depth"), "top_k": (_positive_int, "the drafter's children per expanded node"),
-    **_ADAPTIVE_OPTION}, argument="SPEC"))
+    **_POLICY_OPTION}, argument="SPEC"))
 register(Method("draft-model", _build_draft_model, "our loop with a separate small model of the same tokenizer",
-                {**_TREE_OPTIONS, **_ADAPTIVE_OPTION}, argument="SPEC"))
+                {**_TREE_OPTIONS, **_POLICY_OPTION}, argument="SPEC"))
 register(Method("hf-greedy", lambda t, a, o: HFRunner(t), "transformers generate(), greedy", temperatures="greedy"))
 register(Method("hf-sample", lambda t, a, o: HFRunner(t), "transformers generate(do_sample=True), top_k 0, top_p 1",
                 temperatures="sample"))
@@ -217,16 +232,14 @@ def _folder_method(path: str) -> Method | None:
     if kind is None:
         return None
     options = {k: v for k, v in _TREE_OPTIONS.items() if k in get_kind(kind).tree_options}
-    options["schedule"] = (_verify_schedule, "confidence (default): verify only the part of a block drafter's block "
-                           "that pays here; off: every draft (a no-op for drafters whose trees carry no confidences)")
-    options.update(_ADAPTIVE_OPTION)
+    options.update(_POLICY_OPTION)
 
     def build(target, argument, options):
         from selfdraft.inference.specs import make_drafter
 
         options = dict(options)
-        schedule, adaptive = options.pop("schedule", "confidence"), options.pop("adaptive", "on")
-        return LoopRunner(target, make_drafter(path, target, tree=options or None), schedule, adaptive)
+        policy = _take_policy(options)
+        return LoopRunner(target, make_drafter(path, target, tree=options or None), policy, folder=path)
 
     return Method(f"{kind} drafter folder", build, f"our loop with the {kind} drafter in {path}", options)
 

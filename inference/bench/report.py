@@ -91,7 +91,7 @@ def render_report(results: dict, plots: bool = True) -> str:
         f"Baseline: `{BASELINE}` (our loop without a drafter); speedup = {m['speedup']}. tau = tokens per target "
         "forward, the prefill included (selfdraft's definition); engine tau = 1 + accepted draft tokens per "
         "verification step, prefill excluded (vLLM's, SGLang's and the papers' definition); tok/s = new tokens / seconds, summed over the prompts; steps drafted = verification "
-        "steps that ran the drafter (the adaptive throttle, on by default, runs plain steps where drafting does not pay); "
+        "steps that ran the drafter (the adaptive drafting policy, on by default, runs plain steps where drafting does not pay); "
         "drafting share = time in the drafter / generation time (- where a method cannot measure it). "
         "exact: token-identical to the baseline on every prompt (temperature 0 only).", "",
         f"Command: `{m['command']}`", "",

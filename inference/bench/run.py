@@ -372,7 +372,7 @@ def _row(task: str, t: float, c: MethodChoice, tally: _Tally, base: _Tally) -> d
         # curve and the acceptance length it predicts the speed-up there (scripts/gpu_check.py --predict).
         "draft_nodes_per_step": tally.draft_nodes / (tally.forwards - tally.prompts)
         if tally.draft_nodes is not None and tally.forwards is not None and tally.forwards > tally.prompts else None,
-        # The share of verification steps that ran the drafter (the adaptive throttle skips the rest).
+        # The share of verification steps that ran the drafter (the drafting policy skips the rest).
         "drafted_share": tally.drafted_steps / (tally.forwards - tally.prompts)
         if tally.drafted_steps is not None and tally.forwards is not None and tally.forwards > tally.prompts else None,
         "drafting_time_share": tally.draft_seconds / tally.seconds if tally.draft_seconds is not None and tally.seconds > 0 else None,

@@ -41,7 +41,7 @@ class Generation:
     draft_nodes: int | None = None
     """Draft tree nodes the target verified, summed over the steps (the verify batch is this + 1 a step)."""
     drafted_steps: int | None = None
-    """Verification steps that ran the drafter (fewer than target forwards - 1 where the adaptive throttle
+    """Verification steps that ran the drafter (fewer than target forwards - 1 where the drafting policy
     chose plain steps)."""
 
 
@@ -50,15 +50,23 @@ Runner = Callable[[list[int], float, "int | None", int], Generation]
 
 
 class LoopRunner:
-    """Our decoding loop (the one behind :func:`selfdraft.generate`) with one drafter."""
+    """Our decoding loop (the one behind :func:`selfdraft.generate`) with one drafter, under the drafting
+    policy ``policy`` (None: the bench's, ``auto`` unless it says otherwise); ``folder``: the drafter folder,
+    whose speculation profile the policy may follow. The batch-1 policy is made here (its costs measured
+    or read before anything is timed); :meth:`policy_at` makes the others before the batched bench times."""
 
-    def __init__(self, target, drafter, schedule: str = "confidence", adaptive: str = "on"):
-        from selfdraft.inference.adaptive import throttle_for
-        from selfdraft.inference.schedule import schedule_for
+    def __init__(self, target, drafter, policy: str | None = None, folder: str | None = None):
+        self.target, self.drafter, self.policy, self.folder = target, drafter, policy, folder
+        self._policies: dict[tuple[int, str], object] = {}
+        self.policy_at(1)
 
-        self.target, self.drafter = target, drafter
-        self.schedule = schedule_for(target, drafter, schedule)
-        self.throttle = throttle_for(target, drafter, adaptive)
+    def policy_at(self, rows: int, default: str = "auto"):
+        from selfdraft.inference.policy import policy_for
+
+        key = (rows, self.policy or default)
+        if key not in self._policies:
+            self._policies[key] = policy_for(self.target, self.drafter, key[1], folder=self.folder, rows=rows)
+        return self._policies[key]
 
     def __call__(self, ids: list[int], temperature: float, seed: int | None, max_new_tokens: int) -> Generation:
         from selfdraft.inference.decode import speculative_decode
@@ -67,8 +75,7 @@ class LoopRunner:
         config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         session = CausalLMSession(self.target.model, hidden_layers=self.drafter.hidden_layers)
         out = speculative_decode(session, ids, self.drafter, config, eos_token_ids=self.target.eos_token_ids,
-                                 max_context=self.target.max_context, schedule=self.schedule,
-                                 throttle=self.throttle)
+                                 max_context=self.target.max_context, policy=self.policy_at(1))
         s = out.stats
         return Generation(out.token_ids, s.target_forwards, dict(s.accept_histogram), dict(s.depth_drafted),
                           dict(s.depth_accepted), s.draft_seconds, draft_nodes=s.draft_nodes,

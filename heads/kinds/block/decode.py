@@ -12,7 +12,7 @@ decoder's verification keeps the target's output exact, greedy or sampled.
 Each drafted token carries a value (the tree's ``values``): the chance that the target accepts the
 path to it, the product along the block of DSpark's confidence head (or, without one, of the
 drafter's probability of each token it drafted), by which confidence-scheduled verification
-(inference/schedule.py) verifies only the prefix of the block that pays.
+(inference/policy.py) verifies only the prefix of the block that pays.
 
 Branching (``top_k`` > 1): where the drafter is unsure, a tree instead of a chain, from the same one
 forward. Slot j's distribution is the drafter's for the j-th drafted token; the tree grows as EAGLE-2's
@@ -74,7 +74,7 @@ class BlockDrafter(Drafter):
         self.name = kind
         self.config = tree  # the tree it proposes; its cost is keyed by it (inference/costs.py's drafter shape)
         self.drafts = min(tree.depth, drafter.dims.drafts_per_block)
-        self.valued_nodes = self.max_nodes = self.drafts if tree.top_k == 1 else tree.max_nodes
+        self.max_nodes = self.drafts if tree.top_k == 1 else tree.max_nodes
         self.embed = target_model.get_input_embeddings()
         self.lm_head = target_model.get_output_embeddings()
         self.hidden_layers = self.drafter.target_layers(text.num_hidden_layers)
