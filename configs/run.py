@@ -7,13 +7,15 @@ dotted key. The resolved config (``to_dict``) is saved next to every checkpoint 
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import logging
 import pathlib
 from dataclasses import dataclass, field
 from typing import Literal
 
 from selfdraft.configs.decode import TreeConfig
-from selfdraft.configs.schema import DataConfig, apply_overrides, from_dict, load_yaml
+from selfdraft.configs.schema import DataConfig, apply_overrides, from_dict, load_yaml, to_dict
 from selfdraft.errors import SelfdraftError
 
 PRESET_DIR = pathlib.Path(__file__).resolve().parent
@@ -33,123 +35,133 @@ class TargetConfig:
     """Run model code shipped with a folder or hub model; off unless you trust its author."""
 
 
-@dataclass(frozen=True)
-class LoraConfig:
-    """Medusa-2: joint training of the heads and LoRA adapters on the target (rank 0 = Medusa-1).
-
-    With LoRA the target changes: the LoRA-merged model that the run exports is the target whose
-    distribution the decoder preserves, not the original model.
-    """
-
-    rank: int = 0
-    """LoRA rank; 0 keeps the target frozen (Medusa-1)."""
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """Linear layers of the target that get adapters (names as in the model)."""
-    lm_loss: Literal["kl", "ce"] = "kl"
-    """The target's own loss in the combined objective: KL to the original (adapter-free) model's
-    next-token distribution (keeps its answers), or cross-entropy on the data's tokens."""
-    lm_loss_weight: float = 1.0
-    """Weight of the target's own loss next to the heads' loss."""
+_SECTIONS: dict[str, type] = {}
+"""The ``drafter.<name>`` sections, by name, in the order the kinds declared them."""
+_SECTION_OF_KIND: dict[str, str | None] = {}
+"""Every registered kind, and the section it reads (None: it has no options of its own)."""
+_DEFAULT_KIND: list[str] = []
+"""The kind a run config trains when it names none (declared by that kind)."""
 
 
-@dataclass(frozen=True)
-class MedusaConfig:
-    """Medusa heads: K heads of L residual blocks on the target's final hidden state."""
-
-    num_heads: int = 4
-    num_layers: int = 1
-    own_lm_head: bool = False
-    """Give every head its own vocabulary projection (K x V x D more weights) instead of the target's."""
-    labels: Literal["target", "data"] = "target"
-    """What head k at position t learns: the target's own distribution for token t+2+k (self-distilled
-    soft labels, computed on the fly) or the data's token t+2+k (the Medusa paper's hard labels)."""
-    position_fraction: float = 1.0
-    """Share of eligible positions per head (drawn at random each step) that enter the training loss.
-    Below 1 it trades positions per sequence for sequences per second where the vocabulary projection
-    dominates the cost (a CPU); evaluation always uses every position."""
-    head_decay: float = 0.8
-    """Loss weight of head k is head_decay**k (later heads are harder and matter less)."""
-    tree_ranks: int = 10
-    """Top-ranks measured per head for the sparse tree (accuracy of rank r for r < tree_ranks); its node
-    budget is ``drafter.tree.max_nodes``."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
+def register_kind(kind: str, section: tuple[str, type] | None = None, default: bool = False) -> None:
+    """Declare that ``kind`` reads the run config's ``drafter.<name>`` section, a frozen dataclass
+    (``section = (name, dataclass)``; kinds of one family share one), and whether it is the kind a run
+    config trains when ``drafter.kind`` is not given. Called by the kind registry
+    (``selfdraft.heads.registry.register``): this is how a kind's folder declares its options and their
+    checks without this module naming it."""
+    if section is not None:
+        name, cls = section
+        if _SECTIONS.get(name, cls) is not cls:
+            raise SelfdraftError(f"config section drafter.{name} is already declared as {_SECTIONS[name].__name__}")
+        if name in ("kind", "tree"):
+            raise SelfdraftError(f"drafter.{name} is not a section name a kind can declare")
+    if default and _DEFAULT_KIND and _DEFAULT_KIND[0] != kind:
+        raise SelfdraftError(f"{kind!r} cannot be the default drafter kind: {_DEFAULT_KIND[0]!r} is")
+    if section is not None:
+        _SECTIONS[section[0]] = section[1]
+    _SECTION_OF_KIND[kind] = None if section is None else section[0]
+    if default:
+        _DEFAULT_KIND[:] = [kind]
 
 
-@dataclass(frozen=True)
-class EagleConfig:
-    """EAGLE-1 (``kind: eagle``) and EAGLE-3 (``kind: eagle3``) feature drafters."""
-
-    layer: Literal["llama", "target"] = "llama"
-    """The draft decoder layer: a Llama layer shaped like the target (what vLLM and SGLang build for
-    every EAGLE drafter, whatever the target's family: no q/k/v biases, no q/k norms), or the target
-    family's own layer class (decodes here; engines cannot load it, and export to them is refused)."""
-
-    regression_weight: float = 1.0
-    """EAGLE-1: weight of the smooth-L1 regression of the next feature."""
-    kl_weight: float = 0.1
-    """EAGLE-1: weight of the KL to the target's next-token distribution (EAGLE-3 uses the KL alone)."""
-    feature_noise: float = 0.1
-    """EAGLE-1: uniform noise (+-feature_noise) added to input features while training."""
-    ttt_steps: int = 3
-    """EAGLE-3 training-time test: steps the drafter is unrolled on its own outputs."""
-    step_decay: float = 0.8
-    """EAGLE-3: loss weight of unrolled step j is step_decay**j."""
-    draft_vocab_size: int = 8192
-    """EAGLE-3: the most frequent target tokens (assistant tokens of the training data) it drafts from."""
-    aux_layers: list[int] = field(default_factory=list)
-    """EAGLE-3: the target layers fused, as transformers ``hidden_states`` indices (index i is the
-    input of decoder layer i); empty for the engines' default (2, L//2, L-3). Exports translate them
-    into each engine's own convention."""
+def unregister_kind(kind: str) -> None:
+    """Undo :func:`register_kind`; the kind's section goes once no kind reads it."""
+    name = _SECTION_OF_KIND.pop(kind, None)
+    if name is not None and name not in _SECTION_OF_KIND.values():
+        del _SECTIONS[name]
+    if _DEFAULT_KIND == [kind]:
+        _DEFAULT_KIND.clear()
 
 
-@dataclass(frozen=True)
-class BlockConfig:
-    """Block drafters, DFlash (``kind: dflash``) and DSpark (``kind: dspark``): a whole block of tokens
-    per drafter forward, conditioned on several target layers."""
-
-    block_size: int = 4
-    """Slots per block, the anchor included: DFlash drafts block_size - 1 tokens, DSpark block_size. 4 by
-    measurement: docs/results/block-drafters.md."""
-    num_layers: int = 1
-    """Draft layers (Qwen3 layers shaped like the target). 1 by measurement: docs/results/block-drafters.md."""
-    target_layers: list[int] = field(default_factory=list)
-    """The fused target layers, as transformers ``hidden_states`` indices (i + 1 is decoder layer i's
-    output); empty: three spread from the second layer to the fourth-last, as z-lab's DFlash picks them.
-    Exports translate them into each engine's convention."""
-    draft_vocab_size: int = 8192
-    """The most frequent assistant tokens of the training data it drafts from, through its own LM head
-    (rows of the target's to start); the target's vocabulary size: through the target's frozen head."""
-    mask_token_id: int | None = None
-    """The token fed at every slot after the anchor; unset: the largest id that is not the target's
-    bos/eos/pad and never occurs in the training data. A token of the training data is refused."""
-    anchors: int = 64
-    """Blocks per sequence and step, their anchors drawn at random among assistant positions."""
-    loss_decay: float = 4.0
-    """gamma: the loss weight of the j-th drafted token is exp(-j / gamma)."""
-    markov_rank: int = 64
-    """DSpark: rank r of the Markov head."""
-    confidence_head: bool = True
-    """DSpark: train the confidence head (each slot's probability of being accepted)."""
-    confidence_weight: float = 1.0
-    """DSpark: weight of the confidence head's loss (binary cross-entropy against 1 - total variation
-    between the drafter's and the target's distributions at that slot)."""
+def default_kind() -> str:
+    """The kind a run config trains when ``drafter.kind`` is not given."""
+    drafter_sections()
+    if not _DEFAULT_KIND:
+        raise SelfdraftError("no registered drafter kind is the default: give drafter.kind")
+    return _DEFAULT_KIND[0]
 
 
-@dataclass(frozen=True)
+def drafter_sections() -> dict[str, type]:
+    """The ``drafter.<name>`` sections of the registered kinds. configs sits below heads, so the kinds
+    that ship with selfdraft are imported here by name, once: they register their sections on import."""
+    importlib.import_module("selfdraft.heads.kinds")
+    return dict(_SECTIONS)
+
+
+def section_of_kind(kind: str) -> str | None:
+    """The section name the registered ``kind`` reads, or None."""
+    drafter_sections()
+    return _SECTION_OF_KIND.get(kind)
+
+
 class DrafterConfig:
-    kind: str = "medusa"
-    """Which drafter to train: a registered kind (``medusa``, ``eagle`` for EAGLE-1, ``eagle3``, ``dflash``, ``dspark``;
-    ``selfdraft.heads.kinds`` lists them); an unknown name is refused with the known ones."""
-    tree: TreeConfig = field(default_factory=TreeConfig)
+    """The drafter to train: its kind, its tree, and one section of options per family of kinds
+    (``drafter.<section>``, declared by the kind's folder; every registered section is present, with its
+    defaults where the file says nothing, so that a config lists every option it ran with). Immutable,
+    like the dataclass sections around it."""
+
+    kind: str
+    """Which drafter to train: a registered kind (``selfdraft.heads.kinds`` lists them; the default is the
+    kind that declares itself so); an unknown name is refused with the known ones."""
+    tree: TreeConfig
     """The draft tree stored with the export as its decode default, and scored by the held-out
     evaluation's predicted acceptance length."""
-    medusa: MedusaConfig = field(default_factory=MedusaConfig)
-    eagle: EagleConfig = field(default_factory=EagleConfig)
-    """Options of the EAGLE kinds (``eagle`` and ``eagle3``)."""
-    block: BlockConfig = field(default_factory=BlockConfig)
-    """Options of the block kinds (``dflash`` and ``dspark``)."""
+
+    def __init__(self, kind: str | None = None, tree: TreeConfig | None = None, **sections):
+        known = drafter_sections()
+        unknown = sorted(set(sections) - set(known))
+        if unknown:
+            raise SelfdraftError(f"unknown drafter section{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                                 f"the registered kinds declare {', '.join(known)}")
+        for name, cls in known.items():
+            if sections.get(name) is not None and not isinstance(sections[name], cls):
+                raise SelfdraftError(f"drafter.{name} must be a {cls.__name__}, got {type(sections[name]).__name__}")
+        values = {"kind": default_kind() if kind is None else kind, "tree": TreeConfig() if tree is None else tree,
+                  "sections": {name: sections.get(name) or cls() for name, cls in known.items()}}
+        self.__dict__.update(values)
+
+    def __getattr__(self, name: str):
+        sections = self.__dict__.get("sections", {})
+        if name in sections:
+            return sections[name]
+        raise AttributeError(f"drafter config has no section {name!r}; sections: {', '.join(sections)}")
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __eq__(self, other) -> bool:
+        return type(other) is DrafterConfig and self.__dict__ == other.__dict__
+
+    def __repr__(self) -> str:
+        parts = [f"kind={self.kind!r}", f"tree={self.tree!r}"] + [f"{k}={v!r}" for k, v in self.sections.items()]
+        return f"DrafterConfig({', '.join(parts)})"
+
+    @classmethod
+    def from_config_dict(cls, data: dict, prefix: str = "") -> "DrafterConfig":
+        """Build it from a mapping (how :func:`~selfdraft.configs.schema.from_dict` builds a section),
+        each section by its own dataclass: an unknown key is named by its dotted path."""
+        known = drafter_sections()
+        unknown = sorted(set(data) - {"kind", "tree", *known})
+        if unknown:
+            raise SelfdraftError(
+                f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(prefix + k for k in unknown)}; "
+                f"known keys here: {', '.join(prefix + k for k in sorted({'kind', 'tree', *known}))}")
+        kind = data.get("kind", default_kind())
+        if not isinstance(kind, str):
+            raise SelfdraftError(f"config {prefix}kind: expected str, got {kind!r}")
+        values = {name: from_dict(section, _mapping(data[name], prefix + name), prefix=f"{prefix}{name}.")
+                  for name, section in known.items() if name in data}
+        tree = from_dict(TreeConfig, _mapping(data["tree"], prefix + "tree"), prefix=f"{prefix}tree.") if "tree" in data else None
+        return cls(kind=kind, tree=tree, **values)
+
+    def to_config_dict(self) -> dict:
+        return {"kind": self.kind, "tree": to_dict(self.tree), **{k: to_dict(v) for k, v in self.sections.items()}}
+
+
+def _mapping(value, name: str) -> dict:
+    if not isinstance(value, dict):
+        raise SelfdraftError(f"config {name}: expected a mapping, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -240,7 +252,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self):
-        t, m = self.train, self.drafter.medusa
+        t = self.train
         checks = [
             (t.max_steps >= 1, "train.max_steps must be >= 1"),
             (t.time_budget_minutes is None or t.time_budget_minutes >= 0,
@@ -260,33 +272,12 @@ class RunConfig:
             (t.keep_last >= 1, "train.keep_last must be >= 1"),
             (t.log_every >= 1, "train.log_every must be >= 1"),
             (t.top_k >= 1, "train.top_k must be >= 1"),
-            (m.num_heads >= 1 and m.num_layers >= 0, "drafter.medusa needs num_heads >= 1 and num_layers >= 0"),
-            (0 < m.position_fraction <= 1, "drafter.medusa.position_fraction must be in (0, 1]"),
-            (0 < m.head_decay <= 1, "drafter.medusa.head_decay must be in (0, 1]"),
-            (m.tree_ranks >= 1, "drafter.medusa.tree_ranks must be >= 1"),
-            (m.lora.rank >= 0 and m.lora.lm_loss_weight >= 0, "drafter.medusa.lora.rank and lm_loss_weight must be >= 0"),
             (self.data.max_length >= 4, "data.max_length must be >= 4"),
-            (self.drafter.eagle.ttt_steps >= 1 and 0 < self.drafter.eagle.step_decay <= 1,
-             "drafter.eagle needs ttt_steps >= 1 and step_decay in (0, 1]"),
-            (self.drafter.eagle.draft_vocab_size >= 2, "drafter.eagle.draft_vocab_size must be >= 2"),
-            (self.drafter.block.block_size >= 2 and self.drafter.block.num_layers >= 1 and self.drafter.block.anchors >= 1,
-             "drafter.block needs block_size >= 2, num_layers >= 1 and anchors >= 1"),
-            (self.drafter.block.block_size < self.data.max_length,
-             f"drafter.block.block_size {self.drafter.block.block_size} must be below data.max_length {self.data.max_length}"),
-            (self.drafter.block.draft_vocab_size >= 2 and self.drafter.block.markov_rank >= 1, "drafter.block needs draft_vocab_size >= 2 and markov_rank >= 1"),
-            (self.drafter.block.loss_decay > 0 and self.drafter.block.confidence_weight >= 0, "drafter.block needs loss_decay > 0 and confidence_weight >= 0"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise SelfdraftError(f"config: {message}")
-
-
-_MOVED_TREE_KEYS = {("eagle", "tree_depth"): "depth", ("eagle", "tree_top_k"): "top_k", ("eagle", "tree_nodes"): "max_nodes",
-                    ("medusa", "tree_nodes"): "max_nodes"}
-"""Tree keys of configs written by selfdraft 0.1 (``drafter.eagle.tree_*``, ``drafter.medusa.tree_nodes``),
-now ``drafter.tree.*``."""
-_SECTION_OF_0_1_KIND = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle"}
-"""Which section's tree keys applied to each of selfdraft 0.1's kinds."""
+        problems = [message for ok, message in checks if not ok]
+        problems += [message for section in self.drafter.sections.values() for message in section.problems(self)]
+        if problems:
+            raise SelfdraftError(f"config: {problems[0]}")
 
 
 def upgrade_config_dict(data: dict) -> tuple[dict, list[str]]:
@@ -297,13 +288,15 @@ def upgrade_config_dict(data: dict) -> tuple[dict, list[str]]:
     if not isinstance(drafter, dict):
         return data, []
     drafter = {k: dict(v) if isinstance(v, dict) else v for k, v in drafter.items()}
-    section_of_kind = _SECTION_OF_0_1_KIND.get(drafter.get("kind", DrafterConfig.kind))
+    own = section_of_kind(drafter.get("kind", default_kind()))
     tree, notes = dict(drafter.get("tree") or {}), []
-    for (section, old), new in _MOVED_TREE_KEYS.items():
-        values = drafter.get(section)
-        if isinstance(values, dict) and old in values:
+    for section, cls in drafter_sections().items():
+        for old, new in getattr(cls, "UPGRADED_KEYS", {}).items():
+            values = drafter.get(section)
+            if not (isinstance(values, dict) and old in values):
+                continue
             value = values.pop(old)
-            if section == section_of_kind and new not in tree:
+            if section == own and new not in tree:
                 tree[new] = value
             notes.append(f"drafter.{section}.{old} is now drafter.tree.{new}")
     if notes:

@@ -63,6 +63,10 @@ def _check_type(value: Any, kind: Any, name: str) -> Any:
         if value is not None:
             raise SelfdraftError(f"config {name}: expected null, got {value!r}")
         return None
+    if isinstance(kind, type) and hasattr(kind, "from_config_dict"):  # a section of its own making
+        if not isinstance(value, dict):
+            raise SelfdraftError(f"config {name}: expected a mapping, got {value!r}")
+        return kind.from_config_dict(value, prefix=f"{name}.")
     if dataclasses.is_dataclass(kind):
         if not isinstance(value, dict):
             raise SelfdraftError(f"config {name}: expected a mapping, got {value!r}")
@@ -101,9 +105,18 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
         raise SelfdraftError(f"config {prefix.rstrip('.')}: {err}" if prefix else str(err)) from None
 
 
-def to_dict(config: Any) -> dict:
-    """The plain-data form of a config (for YAML/JSON next to checkpoints and exports)."""
-    return dataclasses.asdict(config)
+def to_dict(config: Any) -> Any:
+    """The plain-data form of a config (for YAML/JSON next to checkpoints and exports): dataclasses and
+    sections that build themselves (``from_config_dict`` / ``to_config_dict``) as dicts, recursively."""
+    if hasattr(config, "to_config_dict"):
+        return config.to_config_dict()
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, (list, tuple)):
+        return type(config)(to_dict(v) for v in config)
+    if isinstance(config, dict):
+        return {k: to_dict(v) for k, v in config.items()}
+    return config
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -20,6 +20,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
+from selfdraft.configs.run import register_kind, unregister_kind
 from selfdraft.errors import SelfdraftError
 
 if TYPE_CHECKING:  # annotations only
@@ -124,6 +125,12 @@ class DrafterKind:
     """``"module:attr"`` of the training objective class (training side, imported on demand)."""
     adapter: str
     """``"module:attr"`` of ``(module, record, target, tree) -> Drafter`` (inference side, on demand)."""
+    section: tuple[str, type] | None = None
+    """``(name, dataclass)``: the run config's ``drafter.<name>`` section that holds the kind's options
+    (kinds of one family share one). The dataclass's ``problems(run_config) -> list[str]`` checks them;
+    its ``UPGRADED_KEYS`` (optional) names keys an older version wrote that now live in ``drafter.tree``."""
+    default: bool = False
+    """Whether a run config that names no ``drafter.kind`` trains this kind (one registered kind at most)."""
     writers: tuple[EngineWriter, ...] = ()
     readers: tuple[EngineReader, ...] = ()
     tree_options: tuple[str, ...] = ("depth", "top_k", "max_nodes")
@@ -157,12 +164,14 @@ def register(kind: DrafterKind, *, replace: bool = False) -> DrafterKind:
     formats = [w.format for w in kind.writers]
     if len(set(formats)) != len(formats) or "native" in formats:
         raise SelfdraftError(f"drafter kind {kind.name!r}: export formats must be distinct and not 'native', got {formats}")
+    register_kind(kind.name, kind.section, kind.default)
     _KINDS[kind.name] = kind
     return kind
 
 
 def unregister(name: str) -> None:
-    _KINDS.pop(name, None)
+    if _KINDS.pop(name, None) is not None:
+        unregister_kind(name)
 
 
 def registered() -> dict[str, DrafterKind]:

@@ -176,9 +176,9 @@ def _add_export(sub) -> None:
     p.add_argument("drafter", help="a training run folder (its drafter/, else its latest checkpoint), a checkpoint folder "
                    "or a native drafter folder")
     p.add_argument("--format", required=True,
-                   help="native, or an engine layout the drafter's kind writes: vllm (Medusa, EAGLE-1, EAGLE-3), sglang "
-                   "(EAGLE-1, EAGLE-3; SpecForge reads the same layout) or eagle-reference (the reference "
-                   "SafeAILab/EAGLE code); an unknown name is refused with the ones that exist")
+                   help="native, or the name of an engine layout the drafter's kind writes (vllm, sglang, ...: each "
+                   "kind declares its own, docs/export.md tables them); a name the kind does not write is refused with "
+                   "the ones it does")
     p.add_argument("--out", required=True, help="folder to write (replaced atomically)")
     p.add_argument("--target", default=None, help="target spec, needed when the heads share its LM head (default: the recorded target)")
     p.set_defaults(func=_run_export)
@@ -309,6 +309,7 @@ def _run_distill(args) -> int:
 
 def _add_bench(sub) -> None:
     from selfdraft.configs.decode import POLICIES, DecodeConfig
+    from selfdraft.inference.drafter_specs import drafter_specs
 
     p = sub.add_parser(
         "bench", help="decoding methods side by side (ours and transformers'), with a report and plots",
@@ -316,9 +317,9 @@ def _add_bench(sub) -> None:
         description="Decode the same prompts with several methods in one process and compare tokens/s, speedup over "
         "our loop without a drafter (`none`, always run), acceptance length and token identity. Writes results.json, "
         "report.md and PNG plots to --out.",
-        epilog="methods: none, prompt-lookup, copy, draft-model:SPEC, hybrid:SPEC, hf-greedy (temperature 0), hf-sample (temperature > 0), "
-        "hf-prompt-lookup (temperature 0), hf-assisted:SPEC, or a drafter folder (native Medusa / EAGLE-1 / EAGLE-3 / "
-        "DFlash / DSpark, or an engine layout selfdraft reads).\noptions: METHOD@key=value,key=value, e.g. prompt-lookup@tokens=8, "
+        epilog=f"methods: {', '.join(entry.usage for entry in drafter_specs())}, hf-greedy (temperature 0), hf-sample "
+        "(temperature > 0), hf-prompt-lookup (temperature 0), hf-assisted:SPEC, or a trained drafter's folder (native, of "
+        "any registered kind, or an engine layout selfdraft reads).\noptions: METHOD@key=value,key=value, e.g. prompt-lookup@tokens=8, "
         "runs/e3/drafter@depth=5,top_k=4,max_nodes=12, runs/m/drafter@max_nodes=16, hybrid:runs/e3/drafter@max_nodes=8, "
         "hf-prompt-lookup@tokens=10, "
         "hf-assisted:SPEC@tokens=5.\ntasks: mt_bench (first turns, chat template; --limit takes the 8 categories in "

@@ -96,3 +96,46 @@ def test_import_selfdraft_is_light():
             "print('torch' in sys.modules, 'transformers' in sys.modules, len(parser.format_help()) > 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
     assert out.stdout.split() == ["False", "False", "False", "False", "True"], out.stdout
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings (of modules, classes, functions, attributes)."""
+    return {id(node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+
+
+def test_no_shared_module_names_a_kind():
+    """A kind lives in its folder (heads/kinds/NAME/): outside it, no module of the package compares or
+    builds a kind's name, imports a kind's module by name, or holds an identifier named after a kind;
+    they ask the registry. Prose (docstrings, messages) may mention the kinds, as users know them."""
+    import re
+
+    from selfdraft.heads.kinds import registered
+
+    kinds = registered()
+    names = set(kinds) | {kind.section[0] for kind in kinds.values() if kind.section}
+    folders = {f"selfdraft.heads.kinds.{p.name}" for p in (ROOT / "heads" / "kinds").iterdir() if p.is_dir()}
+    word = re.compile("|".join(sorted((re.escape(k) for k in kinds), key=len, reverse=True)), re.IGNORECASE)
+    found = []
+    for folder in ("selfdraft", "configs", "heads", "train", "inference"):
+        for path in (ROOT / folder).rglob("*.py"):
+            relative = path.relative_to(ROOT)
+            if relative.parts[:2] == ("heads", "kinds") and len(relative.parts) > 3:
+                continue
+            tree = ast.parse(path.read_text())
+            docs = _docstrings(tree)
+            for node in ast.walk(tree):
+                hit = None
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                    hit = node.value if node.value in names else None
+                elif isinstance(node, ast.Name) and word.search(node.id):
+                    hit = node.id
+                elif isinstance(node, ast.Attribute) and word.search(node.attr):
+                    hit = node.attr
+                elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and word.search(node.name):
+                    hit = node.name
+                elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(tuple(folders)):
+                    hit = node.module
+                if hit:
+                    found.append(f"{relative}:{node.lineno}: {hit}")
+    assert not found, "shared modules name drafter kinds:\n" + "\n".join(found)

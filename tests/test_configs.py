@@ -145,3 +145,57 @@ def test_overrides_of_every_section_change_that_key_and_nothing_else(name):
         load_run_config(name, ["train.learning_rate=1e-3"])
     with pytest.raises(SelfdraftError, match="train.max_steps must be >= 1"):
         load_run_config(name, ["train.max_steps=0"])
+
+
+def test_configs_of_selfdraft_0_1_load_with_their_tree_keys_moved():
+    """selfdraft 0.1 kept tree keys in the kind's section (``drafter.eagle.tree_*``,
+    ``drafter.medusa.tree_nodes``): the section of the config's own kind gives ``drafter.tree``, the
+    other's are dropped (they never applied), and every move is reported."""
+    from selfdraft.configs.run import RunConfig, upgrade_config_dict
+    from selfdraft.configs.schema import from_dict
+
+    old = {"drafter": {"kind": "eagle3", "eagle": {"tree_depth": 5, "tree_nodes": 30, "ttt_steps": 2},
+                       "medusa": {"tree_nodes": 7}}}
+    data, notes = upgrade_config_dict(old)
+    config = from_dict(RunConfig, data)
+    assert (config.drafter.tree.depth, config.drafter.tree.max_nodes, config.drafter.eagle.ttt_steps) == (5, 30, 2)
+    assert sorted(notes) == ["drafter.eagle.tree_depth is now drafter.tree.depth",
+                             "drafter.eagle.tree_nodes is now drafter.tree.max_nodes",
+                             "drafter.medusa.tree_nodes is now drafter.tree.max_nodes"]
+    medusa, _ = upgrade_config_dict({"drafter": {"medusa": {"tree_nodes": 7}, "eagle": {"tree_depth": 5}}})
+    assert from_dict(RunConfig, medusa).drafter.tree.max_nodes == 7 and "depth" not in medusa["drafter"]["tree"]
+    assert upgrade_config_dict({"train": {"max_steps": 3}}) == ({"train": {"max_steps": 3}}, [])
+
+
+def test_a_kind_declares_its_config_section_and_its_checks():
+    """The ``drafter.<section>`` keys come from the registered kinds (configs names none): a toy kind's
+    section parses, round-trips, is checked by its own ``problems`` and goes when the kind does."""
+    import dataclasses as dc
+
+    from selfdraft.configs.run import RunConfig, drafter_sections, load_run_config
+    from selfdraft.heads.kinds import get_kind, register, unregister
+
+    @dc.dataclass(frozen=True)
+    class ToySection:
+        width: int = 3
+
+        def problems(self, run) -> list[str]:
+            return [] if self.width >= 1 else ["drafter.toy.width must be >= 1"]
+
+    register(dc.replace(get_kind("medusa"), name="toy-kind", section=("toy", ToySection), default=False))
+    try:
+        assert list(drafter_sections())[-1] == "toy"
+        config = load_run_config("smoke_cpu", ["drafter.toy.width=5"])
+        assert config.drafter.toy == ToySection(5) and from_dict(RunConfig, to_dict(config)) == config
+        with pytest.raises(SelfdraftError, match="drafter.toy.width must be >= 1"):
+            load_run_config("smoke_cpu", ["drafter.toy.width=0"])
+        with pytest.raises(SelfdraftError, match="unknown config key drafter.toy.depth"):
+            load_run_config("smoke_cpu", ["drafter.toy.depth=0"])
+        with pytest.raises(SelfdraftError, match="already declared"):
+            register(dc.replace(get_kind("medusa"), name="toy-kind-2", section=("toy", dc.make_dataclass("Other", [])),
+                               default=False))
+    finally:
+        unregister("toy-kind")
+    assert "toy" not in drafter_sections() and "toy" not in to_dict(RunConfig())["drafter"]
+    with pytest.raises(SelfdraftError, match="unknown config key drafter.toy; known keys here: drafter.block"):
+        load_run_config("smoke_cpu", ["drafter.toy.width=5"])

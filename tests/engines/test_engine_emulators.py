@@ -137,7 +137,8 @@ def _trained_drafter(case: Case, kind: str):
     question and answer (any text serves: the labels are the target's)."""
     import numpy as np
 
-    from selfdraft.configs.run import DrafterConfig, EagleConfig, RunConfig, TrainConfig
+    from selfdraft.configs.run import DrafterConfig, RunConfig, TrainConfig
+    from selfdraft.heads.kinds.eagle.config import EagleConfig
     from selfdraft.inference.api import encode_prompt
     from selfdraft.train.objectives import build_objective
 

@@ -8,6 +8,7 @@ One folder for both, since DSpark is DFlash's backbone with a Markov head and a 
 * ``decode.py``: the inference side (imported by the decoder only, by the path below).
 """
 
+from selfdraft.heads.kinds.block.config import BlockConfig
 from selfdraft.heads.kinds.block.layouts import reader, writers
 from selfdraft.heads.kinds.block.module import BlockHead, DFlashDims, DSparkDims, feature_layers
 from selfdraft.heads.registry import DrafterKind
@@ -17,8 +18,14 @@ def _kind(name: str, title: str, dims: type, objective: str) -> DrafterKind:
     """The two kinds differ in their dims and objective; module, layouts and decoding are shared."""
     return DrafterKind(name=name, title=title, dims=dims, build=BlockHead, feature_layers=feature_layers,
                        objective=f"selfdraft.heads.kinds.block.objective:{objective}",
-                       adapter="selfdraft.heads.kinds.block.decode:adapter", writers=writers(), readers=(reader(name),))
+                       adapter="selfdraft.heads.kinds.block.decode:adapter", section=("block", BlockConfig),
+                       writers=writers(), readers=(reader(name),))
 
 
 DFLASH = _kind("dflash", "DFlash", DFlashDims, "BlockObjective")
 DSPARK = _kind("dspark", "DSpark", DSparkDims, "DSparkObjective")
+
+KINDS = (DFLASH, DSPARK)
+"""The kinds this folder registers (``selfdraft.heads.kinds`` finds the folder)."""
+ORDER = 2
+"""Where these kinds come among the registered ones (lists, messages): folders register by ORDER."""

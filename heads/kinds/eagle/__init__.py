@@ -9,6 +9,7 @@ dynamic trees. One folder for both, since they share their engine layouts and th
 
 from selfdraft.errors import SelfdraftError
 from selfdraft.heads.kinds.eagle import eagle3
+from selfdraft.heads.kinds.eagle.config import EagleConfig
 from selfdraft.heads.kinds.eagle.eagle1 import Eagle1Dims, Eagle1Head
 from selfdraft.heads.kinds.eagle.eagle3 import Eagle3Dims, Eagle3Head
 from selfdraft.heads.kinds.eagle.layouts import reader, writers
@@ -22,6 +23,7 @@ EAGLE1 = DrafterKind(
     feature_layers=lambda config, num_layers: [num_layers],
     objective="selfdraft.heads.kinds.eagle.objective:Eagle1Objective",
     adapter="selfdraft.heads.kinds.eagle.decode:adapter",
+    section=("eagle", EagleConfig),
     writers=writers(),
     readers=(reader("eagle"),),
 )
@@ -34,9 +36,15 @@ EAGLE3 = DrafterKind(
     feature_layers=lambda config, num_layers: eagle3.feature_layers(config.drafter.eagle.aux_layers, num_layers),
     objective="selfdraft.heads.kinds.eagle.objective:Eagle3Objective",
     adapter="selfdraft.heads.kinds.eagle.decode:adapter",
+    section=("eagle", EagleConfig),
     writers=writers(speculators=True),
     readers=(reader("eagle3"),),
 )
+
+KINDS = (EAGLE1, EAGLE3)
+"""The kinds this folder registers (``selfdraft.heads.kinds`` finds the folder)."""
+ORDER = 1
+"""Where these kinds come among the registered ones (lists, messages): folders register by ORDER."""
 
 
 def new_drafter(target_model, kind: str, draft_vocab_size: int | None = None, aux_layers: list[int] | None = None,
