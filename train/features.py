@@ -288,40 +288,20 @@ def cache_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
     Under ``accelerate launch`` the processes share the unfinished shards; every check before the
     first write runs on all of them alike (the free disk is the main process's reading), so all
     decide the same, rather than leaving some waiting for the others."""
-    from accelerate import Accelerator
     from accelerate.utils import broadcast_object_list
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
 
-    from selfdraft.heads.target import load_target, load_target_tokenizer, resolve_dtype, target_folder
+    from selfdraft.heads.target import load_target, load_target_tokenizer, resolve_dtype
 
     t = config.train
-    run_dir = pathlib.Path(t.output_dir)
-    out = pathlib.Path(out) if out is not None else run_dir / "features"
-    if t.num_threads:  # as the run computes its online features
-        torch.set_num_threads(t.num_threads)
-    handlers = process_group_handlers(t.dist_timeout_minutes)
-    if not handlers:  # not launched: this call owns the process
-        fresh_accelerate_state()
-    # The run's autocast too: its online features are computed under it.
-    accelerator = Accelerator(cpu=cpu or not torch.cuda.is_available(),
-                              mixed_precision=resolve_mixed_precision(t.mixed_precision, cpu), kwargs_handlers=handlers)
+    out = pathlib.Path(out) if out is not None else pathlib.Path(t.output_dir) / "features"
+    accelerator = _accelerator(config, cpu)
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
-    # A built-in target is converted once per node.
-    with accelerator.local_main_process_first():
-        target_folder(config.target.spec)
     # The plan and its size come from the config, the tokenizer and the rendered data: the weights are
     # loaded only once the cache is known to fit.
     tokenizer, identity = load_target_tokenizer(config.target.spec, trust_remote_code=config.target.trust_remote_code)
     target_dtype = resolve_dtype(config.target.dtype, accelerator.device)
     num_layers, hidden = identity.num_layers, identity.hidden_size
-    layers = (sorted(set(layers) | {num_layers}) if layers
-              else feature_layers(config, num_layers))
-    if not all(0 <= i <= num_layers for i in layers):
-        raise SelfdraftError(f"layers {layers} out of range for a target with {num_layers} layers")
-    store = target_dtype if dtype == "auto" else getattr(torch, dtype, None)
-    if not isinstance(store, torch.dtype) or not store.is_floating_point:
-        raise SelfdraftError(f"--dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    layers, store = _layers_and_dtype(config, layers, num_layers, dtype, target_dtype)
     train_data, eval_data = prepare_data(config, tokenizer, accelerator)
     if not train_data:
         raise SelfdraftError("the training split is empty: nothing to precompute")
@@ -337,11 +317,7 @@ def cache_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
         "plan": plan,
     }
     manifest = out / MANIFEST
-    if manifest.is_file():
-        old = json.loads(manifest.read_text(encoding="utf-8"))
-        if old != key:
-            raise SelfdraftError(f"{out} holds a feature cache for other settings ({', '.join(_diff(old, key))} differ): "
-                                 "remove it or choose another --out")
+    _check_manifest(out, key)
     tokens = {name: sum(len(data[i][0]) for i in idx) for name, (data, idx) in splits.items()}
     per_token = len(layers) * hidden * store.itemsize
     shard_path = {(name, s): out / name / f"shard-{s:05d}.safetensors" for name in plan for s in range(len(plan[name]))}
@@ -358,14 +334,7 @@ def cache_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
               f"{size.free_gb:.1f} GB free); {len(todo)} of {len(shard_path)} shards to write by {world} "
               f"process{'es' if world > 1 else ''}")
     if not size.fits:
-        online = _online_cost(target_folder(config.target.spec), tokens["train"], identity)
-        fixes = [f"raise --max-gb (now {max_gb:g})" if size.total_gb > max_gb else "free disk space"]
-        if store.itemsize > 2:
-            fixes.append("store --dtype bfloat16 (half the size)")
-        fixes += ["cache fewer --steps", "or lower data.max_conversations"]
-        return CacheOutcome(out, size, refusal=(
-            f"{size.shortfall()}. Train with online features instead (leave train.features unset): the run then "
-            f"computes them with the target's forward in every step and needs no disk{online}. Else {', '.join(fixes)}."))
+        return CacheOutcome(out, size, refusal=_refusal(size, config, tokens["train"], identity, store))
     target = load_target(config.target.spec, dtype=config.target.dtype, device=str(accelerator.device),
                          trust_remote_code=config.target.trust_remote_code, small_batch_kernel=False)  # whole sequences only
     if target.identity != identity or target.model.dtype != target_dtype:
@@ -379,32 +348,93 @@ def cache_features(config, out: str | os.PathLike | None = None, *, max_gb: floa
         os.replace(tmp, manifest)
     accelerator.wait_for_everyone()
     # Every process computed the same todo before any shard was written; each takes every world-th.
-    mine = todo[rank::world]
-    progress = tqdm(total=sum(len(splits[name][0][i][0]) for name, s in mine for i in plan[name][s]),
-                    desc="target features", unit="tok", unit_scale=True, disable=not main)
-    device = accelerator.device
-    for written, (name, s) in enumerate(mine):
-        if stop_after_shards is not None and written >= stop_after_shards:
-            break
-        data = splits[name][0]
-        rows = []
-        for i in plan[name][s]:
-            ids = torch.from_numpy(data[i][0])[None].to(device)
-            with accelerator.autocast():
-                rows.append(target_features(target.model, ids, torch.ones_like(ids), layers)[0].to(store).cpu())
-            progress.update(ids.shape[1])
-        offsets = torch.tensor([0] + [len(r) for r in rows]).cumsum(0)
-        path = shard_path[(name, s)]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_suffix(".tmp")
-        save_file({"features": torch.cat(rows).contiguous(), "offsets": offsets,
-                   "examples": torch.tensor(plan[name][s], dtype=torch.int64)}, str(part))
-        as_if_created(part)
-        os.replace(part, path)
-    progress.close()
+    mine = todo[rank::world][:stop_after_shards]
+    _write_shards(accelerator, target.model, {shard_path[name, s]: (splits[name][0], plan[name][s]) for name, s in mine},
+                  layers, store)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return CacheOutcome(out, size)
+
+
+def _accelerator(config, cpu: bool):
+    """The process's accelerator, as the run makes it (threads, autocast, collective timeout), with the
+    built-in target converted (once per node)."""
+    from accelerate import Accelerator
+
+    from selfdraft.heads.target import target_folder
+
+    t = config.train
+    if t.num_threads:  # as the run computes its online features
+        torch.set_num_threads(t.num_threads)
+    handlers = process_group_handlers(t.dist_timeout_minutes)
+    if not handlers:  # not launched: this call owns the process
+        fresh_accelerate_state()
+    # The run's autocast too: its online features are computed under it.
+    accelerator = Accelerator(cpu=cpu or not torch.cuda.is_available(),
+                              mixed_precision=resolve_mixed_precision(t.mixed_precision, cpu), kwargs_handlers=handlers)
+    with accelerator.local_main_process_first():
+        target_folder(config.target.spec)
+    return accelerator
+
+
+def _layers_and_dtype(config, layers: list[int] | None, num_layers: int, dtype: str, target_dtype: torch.dtype):
+    """The hidden_states indices to cache (the final normed state always among them) and the dtype to
+    store them in."""
+    layers = sorted(set(layers) | {num_layers}) if layers else feature_layers(config, num_layers)
+    if not all(0 <= i <= num_layers for i in layers):
+        raise SelfdraftError(f"layers {layers} out of range for a target with {num_layers} layers")
+    store = target_dtype if dtype == "auto" else getattr(torch, dtype, None)
+    if not isinstance(store, torch.dtype) or not store.is_floating_point:
+        raise SelfdraftError(f"--dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    return layers, store
+
+
+def _check_manifest(out: pathlib.Path, key: dict) -> None:
+    """A cache folder already there must be for these settings (it is then continued)."""
+    manifest = out / MANIFEST
+    if manifest.is_file():
+        old = json.loads(manifest.read_text(encoding="utf-8"))
+        if old != key:
+            raise SelfdraftError(f"{out} holds a feature cache for other settings ({', '.join(_diff(old, key))} differ): "
+                                 "remove it or choose another --out")
+
+
+def _refusal(size: CacheSize, config, train_tokens: int, identity, store: torch.dtype) -> str:
+    """Why a cache that does not fit is not written, and what to do instead."""
+    from selfdraft.heads.target import target_folder
+
+    online = _online_cost(target_folder(config.target.spec), train_tokens, identity)
+    fixes = [f"raise --max-gb (now {size.max_gb:g})" if size.total_gb > size.max_gb else "free disk space"]
+    if store.itemsize > 2:
+        fixes.append("store --dtype bfloat16 (half the size)")
+    fixes += ["cache fewer --steps", "or lower data.max_conversations"]
+    return (f"{size.shortfall()}. Train with online features instead (leave train.features unset): the run then "
+            f"computes them with the target's forward in every step and needs no disk{online}. Else {', '.join(fixes)}.")
+
+
+def _write_shards(accelerator, model, shards: dict, layers: list[int], store: torch.dtype) -> None:
+    """Compute and write each shard (path -> (the split's examples, the shard's example indices)), each
+    written whole or not at all (a ``.tmp`` renamed into place), so an interrupted run resumes by shard."""
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    progress = tqdm(total=sum(len(data[i][0]) for data, indices in shards.values() for i in indices),
+                    desc="target features", unit="tok", unit_scale=True, disable=not accelerator.is_main_process)
+    for path, (data, indices) in shards.items():
+        rows = []
+        for i in indices:
+            ids = torch.from_numpy(data[i][0])[None].to(accelerator.device)
+            with accelerator.autocast():
+                rows.append(target_features(model, ids, torch.ones_like(ids), layers)[0].to(store).cpu())
+            progress.update(ids.shape[1])
+        offsets = torch.tensor([0] + [len(r) for r in rows]).cumsum(0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(".tmp")
+        save_file({"features": torch.cat(rows).contiguous(), "offsets": offsets,
+                   "examples": torch.tensor(indices, dtype=torch.int64)}, str(part))
+        as_if_created(part)
+        os.replace(part, path)
+    progress.close()
 
 
 # ----------------------------------------------------------------------------------------------

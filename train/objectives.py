@@ -230,52 +230,23 @@ class _HeadLossFunction(torch.autograd.Function):
                     lo, hi = int(bounds[g][i]), int(bounds[g][i + 1])
                     if lo == hi:
                         continue
-                    # This chunk's rows for the group: a slice when they are consecutive (no copy).
-                    first = int(rows_host[g][lo]) - starts[i]
-                    if rows_host[g][hi - 1] - rows_host[g][lo] == hi - lo - 1:
-                        local = slice(first, first + hi - lo)
-                    else:
-                        local = group.rows[lo:hi] - starts[i]  # (c,)
+                    local = _chunk_rows(rows_host[g], group.rows, lo, hi, starts[i])
                     u = plan["head_of"][g]
                     weight, bias = cast[2 * u], cast[2 * u + 1]
                     h = hiddens[g][lo:hi].to(weight.dtype)  # (c, D), e.g. fp32 heads' features into a bf16 head
                     logits = F.linear(h, weight, bias)  # (c, V) in the matmul dtype
                     label = label_all[local]
-                    if ranks:  # the rank of the label among the logits, for the sparse tree
-                        rank = (logits > logits.gather(-1, label.clamp(min=0)[:, None])).sum(-1)  # (c,)
-                        # A label outside the drafter's vocabulary (EAGLE-3: -1) has no rank: never a hit.
-                        rank = torch.where(label >= 0, rank, logits.shape[-1])
-                        table[g, 1] += (rank == 0).sum()
-                        table[g, 2] += (rank < top_k).sum()
-                        table[g, 3:] += torch.bincount(rank.clamp(max=ranks), minlength=ranks + 1)[:ranks]
-                    else:  # cheap: top-1 and top-k only
-                        top1, topk = _top_hits(logits, label, top_k)
-                        table[g, 1] += top1
-                        table[g, 2] += topk
+                    _count_hits(table[g], logits, label, ranks, top_k)
                     log_q = F.log_softmax(logits, dim=-1, dtype=torch.float32)  # (c, V)
                     del logits
-                    # d loss / d logits, in place of log_q once the loss has read it (memory: a chunk holds
-                    # the teacher's p, the logits and their log-softmax, and a copy of p's rows at most).
-                    if p_all is None:  # cross-entropy with the label: softmax - one_hot
-                        table[g, 0] -= log_q.gather(1, label[:, None]).sum()
-                        if not differentiable:
-                            continue
-                        d_logits = log_q.exp_()
-                        d_logits[torch.arange(hi - lo, device=device), label] -= 1
-                    else:  # KL(p || q) = sum p log p - sum p log q; as F.cross_entropy(logits, p) differentiates
-                        p = p_all[local]
-                        table[g, 0] += (p_log_p_all[local] - _row_dot(p, log_q)).sum()
-                        if not (differentiable or overlap):
-                            continue
-                        q = log_q.exp_()
-                        if overlap:  # sum_v min(p_target(v), q(v)), p_target = p x its mass on these columns
-                            overlaps[offsets[g] + lo:offsets[g] + hi] = \
-                                torch.minimum(p * mass[local][:, None], q).sum(-1).clamp_(0, 1)
-                        if not differentiable:
-                            continue
-                        d_logits = q.sub_(p)  # softmax - p (p sums to 1)
-                        del p, q
+                    soft = p_all is not None  # the teacher's distribution, else its labels
+                    d_logits = _loss_and_gradient(
+                        table[g], log_q, label, p_all[local] if soft else None, p_log_p_all[local] if soft else None,
+                        mass[local] if soft and overlap else None,
+                        overlaps[offsets[g] + lo:offsets[g] + hi] if soft and overlap else None, differentiable)
                     del log_q
+                    if d_logits is None:
+                        continue
                     d_logits = d_logits.mul_(group.weight / len(group.rows)).to(weight.dtype)  # d total / d logits
                     if grads[g]:
                         d_hidden[g][lo:hi] = d_logits @ weight  # (c, D)
@@ -305,6 +276,58 @@ class _HeadLossFunction(torch.autograd.Function):
         d_params = [next(kept) if has else None for has in ctx.layout]
         out = [None if d is None else (d * d_total).to(dtype) for d, dtype in zip(d_hidden + d_params, ctx.dtypes)]
         return (None, *out)
+
+
+def _chunk_rows(rows_host: np.ndarray, rows: torch.Tensor, lo: int, hi: int, start: int) -> slice | torch.Tensor:
+    """A group's rows lo:hi, relative to the teacher chunk that begins at ``start``: a slice when they are
+    consecutive (no copy), else an index tensor."""
+    first = int(rows_host[lo]) - start
+    if rows_host[hi - 1] - rows_host[lo] == hi - lo - 1:
+        return slice(first, first + hi - lo)
+    return rows[lo:hi] - start  # (c,)
+
+
+def _count_hits(row: torch.Tensor, logits: torch.Tensor, label: torch.Tensor, ranks: int, top_k: int) -> None:
+    """Add a chunk's top-1 and top-k hits to ``row`` (a group's line of the stats table), and with ``ranks``
+    the count of each rank of the label among the logits (for the sparse tree)."""
+    if ranks:
+        rank = (logits > logits.gather(-1, label.clamp(min=0)[:, None])).sum(-1)  # (c,)
+        # A label outside the drafter's vocabulary (EAGLE-3: -1) has no rank: never a hit.
+        rank = torch.where(label >= 0, rank, logits.shape[-1])
+        row[1] += (rank == 0).sum()
+        row[2] += (rank < top_k).sum()
+        row[3:] += torch.bincount(rank.clamp(max=ranks), minlength=ranks + 1)[:ranks]
+    else:  # cheap: top-1 and top-k only
+        top1, topk = _top_hits(logits, label, top_k)
+        row[1] += top1
+        row[2] += topk
+
+
+def _loss_and_gradient(row: torch.Tensor, log_q: torch.Tensor, label: torch.Tensor, p: torch.Tensor | None,
+                       p_log_p: torch.Tensor | None, mass: torch.Tensor | None, overlaps: torch.Tensor | None,
+                       differentiable: bool) -> torch.Tensor | None:
+    """Add a chunk's summed loss to ``row[0]`` and return d loss / d logits (None when no gradient is
+    wanted). Without teacher probabilities ``p`` the loss is the cross-entropy with ``label``; with them,
+    KL(p || q). ``overlaps`` (c,) receives sum_v min(p_target(v), q(v)), p_target = p x its ``mass``.
+    The gradient is computed in place of ``log_q`` once the loss has read it (memory: a chunk holds the
+    teacher's p, the logits and their log-softmax, and a copy of p's rows at most)."""
+    if p is None:  # cross-entropy with the label: softmax - one_hot
+        row[0] -= log_q.gather(1, label[:, None]).sum()
+        if not differentiable:
+            return None
+        d_logits = log_q.exp_()
+        d_logits[torch.arange(len(label), device=log_q.device), label] -= 1
+        return d_logits
+    # KL(p || q) = sum p log p - sum p log q; as F.cross_entropy(logits, p) differentiates
+    row[0] += (p_log_p - _row_dot(p, log_q)).sum()
+    if not (differentiable or overlaps is not None):
+        return None
+    q = log_q.exp_()
+    if overlaps is not None:
+        overlaps.copy_(torch.minimum(p * mass[:, None], q).sum(-1).clamp_(0, 1))
+    if not differentiable:
+        return None
+    return q.sub_(p)  # softmax - p (p sums to 1)
 
 
 def head_losses(groups: list[Group], teacher: Teacher, *, top_k: int, ranks: int, chunk_elements: int,

@@ -113,10 +113,8 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
     loop drafts where a method does not say (inference/policy.py): ``auto``, a drafter folder with a
     speculation profile drafts per batch size what the profile says pays, any other drafter while drafting
     pays by the measured costs; ``fixed``, the drafter's tree every step."""
-    from tqdm import tqdm
-
-    from selfdraft.inference.api import encode_prompt
     from selfdraft.configs.decode import POLICIES
+    from selfdraft.inference.api import encode_prompt
     from selfdraft.inference.costs import check_batch_fits
     from selfdraft.machine import describe
 
@@ -139,6 +137,28 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
     if not prompts:
         raise SelfdraftError(f"tasks {names} hold no prompts")
     check_batch_fits(target.model, sizes[-1], max(map(len, prompts)) + max_new_tokens)
+    runners = _batched_runners(target, choices, sizes, policy)
+    rows = _timed_rows(runners, prompts, sizes, max_new_tokens, policy, progress)
+    for row in rows:
+        base = next(r for r in rows if r["method"] == BASELINE and r["batch"] == row["batch"])
+        row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
+    results = {"meta": {"target": target.identity.name, "dtype": str(target.dtype), "device": str(target.device),
+                        "batch_sizes": sizes, "tasks": names, "max_new_tokens": max_new_tokens, "prompts": len(prompts),
+                        "policy": policy, "machine": describe(str(target.device)), "command": command,
+                        "engines": {label: r.version for label, r in runners.items() if isinstance(r, VllmRunner)}},
+               "rows": rows}
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / RESULTS, json.dumps(results, indent=1))
+    write_atomic(out / REPORT, batch_table(results) + "\n")
+    if plots:
+        _plot(results, out / PLOT)
+    return results
+
+
+def _batched_runners(target, choices, sizes: list[int], policy: str) -> dict:
+    """The methods' runners, each a method the batched bench runs; our loop's policies (their costs) are
+    made for every size before anything is timed."""
     runners = {}
     for c in choices:
         runner = c.method.build(target, c.argument, c.options)
@@ -147,9 +167,18 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
             raise SelfdraftError(f"{c.label}: batched, the bench runs our loop's methods, hf-greedy and vllm:FOLDER; "
                                  "transformers' prompt lookup and assisted generation decode one prompt at a time")
         runners[c.label] = runner
-        if isinstance(runner, LoopRunner):  # every size's policy (its costs) made before anything is timed
+        if isinstance(runner, LoopRunner):
             for size in sizes:
                 runner.policy_at(size, policy)
+    return runners
+
+
+def _timed_rows(runners: dict, prompts: list[list[int]], sizes: list[int], max_new_tokens: int, policy: str,
+                progress: bool) -> list[dict]:
+    """One row per (batch size, method): tokens, seconds, acceptance, and how many rows equal the baseline's
+    at batch 1."""
+    from tqdm import tqdm
+
     rows, reference = [], None
     bar = tqdm(total=len(runners) * len(sizes), desc="batched bench", disable=not progress)
     for size in sizes:
@@ -171,21 +200,7 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
                          "exact_rows": None if reference is None else sum(a == b for a, b in zip(tokens, reference))})
             bar.update(1)
     bar.close()
-    for row in rows:
-        base = next(r for r in rows if r["method"] == BASELINE and r["batch"] == row["batch"])
-        row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
-    results = {"meta": {"target": target.identity.name, "dtype": str(target.dtype), "device": str(target.device),
-                        "batch_sizes": sizes, "tasks": names, "max_new_tokens": max_new_tokens, "prompts": len(prompts),
-                        "policy": policy, "machine": describe(str(target.device)), "command": command,
-                        "engines": {label: r.version for label, r in runners.items() if isinstance(r, VllmRunner)}},
-               "rows": rows}
-    out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / RESULTS, json.dumps(results, indent=1))
-    write_atomic(out / REPORT, batch_table(results) + "\n")
-    if plots:
-        _plot(results, out / PLOT)
-    return results
+    return rows
 
 
 def batch_table(results: dict) -> str:

@@ -12,7 +12,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -148,8 +148,58 @@ def run_bench(
     thread count for the run (restored afterwards). Bad names and options are SelfdraftErrors raised
     before anything is decoded.
     """
-    from tqdm import tqdm
+    choices, task_names, temps, prompts, out = _checked(methods, tasks, temperatures, max_new_tokens, limit, threads,
+                                                        plots, out)
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        if isinstance(target, str):
+            from selfdraft.heads.target import load_target
 
+            target = load_target(target, dtype=dtype, device=device)
+        encoded = _encoded(target, prompts, max_new_tokens)
+        runners = {c.label: c.method.build(target, c.argument, c.options) for c in choices}
+        skipped = [{"method": c.label, "temperature": t,
+                    "reason": f"{c.method.name} runs at temperature 0 only" if c.method.temperatures == "greedy"
+                    else f"{c.method.name} runs at temperature > 0 only"}
+                   for t in temps for c in choices if not c.method.applies(t)]
+        journal = Journal(out, _settings(target, choices, max_new_tokens, seed), fresh=fresh)
+        plan = [_Item(task, t, index, prompt, ids, _ids_digest(ids), active,
+                      journal.get(task, t, prompt.id, _ids_digest(ids), [c.label for c in active]))
+                for task, items in encoded.items() for t in temps
+                for active in [[c for c in choices if c.method.applies(t)]]
+                for index, (prompt, ids) in enumerate(items)]
+        reused = sum(1 for item in plan if item.done is not None)
+        if reused < len(plan):
+            if reused:
+                logger.info("bench: %d of %d prompts are in %s from an earlier run with the same settings; decoding "
+                            "the rest", reused, len(plan), journal.path)
+            _warm_up(runners, choices, plan, next(ids for items in encoded.values() for _, ids in items), temps, seed,
+                     max_new_tokens)
+        tallies, by_category = _decode(plan, runners, method_labels([c.label for c in choices]), journal, seed,
+                                       max_new_tokens, target.device, progress)
+        meta = _meta(target, choices, task_names, temps, max_new_tokens, limit, seed, command)
+        for c in choices:  # an engine in another process says which version ran (None: all prompts reused)
+            if hasattr(runners[c.label], "version"):
+                meta["methods"][c.label]["engine_version"] = runners[c.label].version
+        meta["journal"] = {"path": JOURNAL, "prompts": len(plan), "reused": reused,
+                           "note": "every method of a prompt is timed back to back in one session; reused prompts "
+                                   "come from an earlier session with the same settings"}
+    finally:
+        torch.set_num_threads(old_threads)
+
+    rows, category_rows = _rows(task_names, temps, choices, encoded, tallies, by_category)
+    results = {"meta": meta, "rows": rows, "category_rows": category_rows, "skipped": skipped,
+               "prompts": {task: [p.id for p, _ in items] for task, items in encoded.items()}}
+    _warn_if_inexact(rows, meta["dtype"])
+    write_outputs(results, out, plots=plots)
+    return results
+
+
+def _checked(methods, tasks, temperatures, max_new_tokens, limit, threads, plots, out):
+    """run_bench's arguments checked and parsed, before anything is loaded: (method choices with the
+    baseline first, task names, temperatures, prompts by task, the output folder, created)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise SelfdraftError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
@@ -163,7 +213,6 @@ def run_bench(
     labels = [c.label for c in choices]
     if len(set(labels)) != len(labels):
         raise SelfdraftError(f"a method is listed twice: {', '.join(sorted({x for x in labels if labels.count(x) > 1}))}")
-    short = method_labels(labels)
     task_names = _split(tasks)
     if not task_names:
         raise SelfdraftError(f"no task given; valid tasks: {', '.join(TASKS)}, or the path of a JSONL prompts file")
@@ -180,126 +229,121 @@ def run_bench(
         out.mkdir(parents=True, exist_ok=True)  # fail now, not after the run
     except OSError as err:
         raise SelfdraftError(f"cannot create the output folder {out}: {err}") from err
+    return choices, task_names, temps, prompts, out
 
-    old_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
+
+def _encoded(target, prompts: dict[str, list[Prompt]], max_new_tokens: int) -> dict[str, list[tuple[Prompt, list[int]]]]:
+    """Every task's prompts with their token ids; a prompt that leaves no room for the answer is an error."""
+    from selfdraft.inference.api import encode_prompt
+
+    encoded: dict[str, list[tuple[Prompt, list[int]]]] = {}
+    for task, items in prompts.items():
+        encoded[task] = []
+        for prompt in items:
+            ids = encode_prompt(target.tokenizer, prompt.text, prompt.chat)
+            if len(ids) + max_new_tokens > target.max_context:
+                raise SelfdraftError(
+                    f"prompt {prompt.id} of task {task} has {len(ids)} tokens; with max_new_tokens {max_new_tokens} "
+                    f"it needs {len(ids) + max_new_tokens} positions but the target holds {target.max_context}")
+            encoded[task].append((prompt, ids))
+    return encoded
+
+
+class _Item(NamedTuple):
+    """One prompt of one task at one temperature: what the bench decodes (or reuses) with every method."""
+
+    task: str
+    t: float
+    index: int
+    prompt: Prompt
+    ids: list[int]
+    digest: str
+    active: list[MethodChoice]
+    """The methods that run at this temperature."""
+    done: dict | None
+    """The journaled (generation, seconds) per method, from an earlier run; None: to decode."""
+
+
+def _warm_up(runners, choices, plan: list[_Item], warm_ids: list[int], temps, seed: int, max_new_tokens: int) -> None:
+    """Give runners in another process (an engine) every call at once, then run each method once untimed."""
+    for c in choices:
+        if hasattr(runners[c.label], "prepare"):
+            calls = [(item.ids, item.t, prompt_seed(seed, item.prompt.id) if item.t > 0 else None, max_new_tokens)
+                     for item in plan if item.done is None and c in item.active]
+            warm = [(warm_ids, t, prompt_seed(seed, "warm-up"), max_new_tokens) for t in temps if c.method.applies(t)][:1]
+            runners[c.label].prepare(warm + calls)
+    for c in choices:
+        t = next((t for t in temps if c.method.applies(t)), None)
+        if t is not None:
+            runners[c.label](warm_ids, t, prompt_seed(seed, "warm-up"), max_new_tokens)
+
+
+def _decode(plan: list[_Item], runners, short: dict[str, str], journal: Journal, seed: int, max_new_tokens: int,
+            dev: torch.device, progress: bool):
+    """Decode every prompt of ``plan`` not journaled yet with each of its methods (their order rotated from
+    prompt to prompt), journal it, and tally everything: (per (task, t, method), per (task, category, t, method))."""
+    from tqdm import tqdm
+
+    tallies: dict[tuple[str, float, str], _Tally] = {}
+    by_category: dict[tuple[str, str, float, str], _Tally] = {}
+    bar = tqdm(total=sum(len(item.active) for item in plan), file=sys.stderr, disable=not progress,
+               unit="gen", dynamic_ncols=True)
     try:
-        if isinstance(target, str):
-            from selfdraft.heads.target import load_target
-
-            target = load_target(target, dtype=dtype, device=device)
-        from selfdraft.inference.api import encode_prompt
-
-        encoded: dict[str, list[tuple[Prompt, list[int]]]] = {}
-        for task, items in prompts.items():
-            encoded[task] = []
-            for prompt in items:
-                ids = encode_prompt(target.tokenizer, prompt.text, prompt.chat)
-                if len(ids) + max_new_tokens > target.max_context:
-                    raise SelfdraftError(
-                        f"prompt {prompt.id} of task {task} has {len(ids)} tokens; with max_new_tokens {max_new_tokens} "
-                        f"it needs {len(ids) + max_new_tokens} positions but the target holds {target.max_context}")
-                encoded[task].append((prompt, ids))
-        runners = {c.label: c.method.build(target, c.argument, c.options) for c in choices}
-
-        skipped = [{"method": c.label, "temperature": t,
-                    "reason": f"{c.method.name} runs at temperature 0 only" if c.method.temperatures == "greedy"
-                    else f"{c.method.name} runs at temperature > 0 only"}
-                   for t in temps for c in choices if not c.method.applies(t)]
-        journal = Journal(out, _settings(target, choices, max_new_tokens, seed), fresh=fresh)
-        plan = []  # (task, t, index, prompt, ids, digest, active, journaled runs or None)
-        for task, items in encoded.items():
-            for t in temps:
-                active = [c for c in choices if c.method.applies(t)]
-                for index, (prompt, ids) in enumerate(items):
-                    digest = _ids_digest(ids)
-                    plan.append((task, t, index, prompt, ids, digest, active,
-                                 journal.get(task, t, prompt.id, digest, [c.label for c in active])))
-        reused = sum(1 for *_, done in plan if done is not None)
-        dev = target.device
-        if reused < len(plan):
-            if reused:
-                logger.info("bench: %d of %d prompts are in %s from an earlier run with the same settings; decoding "
-                            "the rest", reused, len(plan), journal.path)
-            warm_ids = next(ids for items in encoded.values() for _, ids in items)
-            for c in choices:  # runners in another process (an engine) decode everything at once
-                if hasattr(runners[c.label], "prepare"):
-                    calls = [(ids, t, prompt_seed(seed, prompt.id) if t > 0 else None, max_new_tokens)
-                             for task, t, _, prompt, ids, _, active, done in plan if done is None and c in active]
-                    warm = [(warm_ids, t, prompt_seed(seed, "warm-up"), max_new_tokens) for t in temps if c.method.applies(t)][:1]
-                    runners[c.label].prepare(warm + calls)
-            for c in choices:
-                t = next((t for t in temps if c.method.applies(t)), None)
-                if t is not None:
-                    runners[c.label](warm_ids, t, prompt_seed(seed, "warm-up"), max_new_tokens)
-
-        tallies: dict[tuple[str, float, str], _Tally] = {}
-        by_category: dict[tuple[str, str, float, str], _Tally] = {}
-        bar = tqdm(total=sum(len(active) for *_, active, _ in plan), file=sys.stderr, disable=not progress,
-                   unit="gen", dynamic_ncols=True)
-        try:
-            for task, t, index, prompt, ids, digest, active, done in plan:
-                if done is None:
-                    bar.set_description(f"{task} T={t:g}")
-                    s = prompt_seed(seed, prompt.id) if t > 0 else None
-                    shift = index % len(active)
-                    done = {}
-                    for c in active[shift:] + active[:shift]:  # rotate the order from prompt to prompt
-                        bar.set_postfix_str(_short(short[c.label], 48), refresh=False)
-                        start = _clock(dev)
-                        generation = runners[c.label](ids, t, s, max_new_tokens)
-                        elapsed = _clock(dev) - start
-                        done[c.label] = (generation, generation.seconds if generation.seconds is not None else elapsed)
-                        bar.update(1)
-                    journal.add(task, t, prompt.id, digest, done)
-                else:
-                    bar.update(len(active))
-                for c in active:
-                    tallies.setdefault((task, t, c.label), _Tally()).add(prompt.id, *done[c.label])
-                    if prompt.category:
-                        by_category.setdefault((task, prompt.category, t, c.label), _Tally()).add(prompt.id, *done[c.label])
-        finally:
-            bar.close()
-        meta = _meta(target, choices, task_names, temps, max_new_tokens, limit, seed, command)
-        for c in choices:  # an engine in another process says which version ran (None: all prompts reused)
-            if hasattr(runners[c.label], "version"):
-                meta["methods"][c.label]["engine_version"] = runners[c.label].version
-        meta["journal"] = {"path": JOURNAL, "prompts": len(plan), "reused": reused,
-                           "note": "every method of a prompt is timed back to back in one session; reused prompts "
-                                   "come from an earlier session with the same settings"}
+        for item in plan:
+            done = item.done
+            if done is None:
+                bar.set_description(f"{item.task} T={item.t:g}")
+                s = prompt_seed(seed, item.prompt.id) if item.t > 0 else None
+                shift = item.index % len(item.active)
+                done = {}
+                for c in item.active[shift:] + item.active[:shift]:
+                    bar.set_postfix_str(_short(short[c.label], 48), refresh=False)
+                    start = _clock(dev)
+                    generation = runners[c.label](item.ids, item.t, s, max_new_tokens)
+                    elapsed = _clock(dev) - start
+                    done[c.label] = (generation, generation.seconds if generation.seconds is not None else elapsed)
+                    bar.update(1)
+                journal.add(item.task, item.t, item.prompt.id, item.digest, done)
+            else:
+                bar.update(len(item.active))
+            for c in item.active:
+                tallies.setdefault((item.task, item.t, c.label), _Tally()).add(item.prompt.id, *done[c.label])
+                if item.prompt.category:
+                    by_category.setdefault((item.task, item.prompt.category, item.t, c.label),
+                                           _Tally()).add(item.prompt.id, *done[c.label])
     finally:
-        torch.set_num_threads(old_threads)
+        bar.close()
+    return tallies, by_category
 
+
+def _rows(task_names, temps, choices, encoded, tallies, by_category) -> tuple[list[dict], list[dict]]:
+    """The results' rows per (task, temperature, method), and the same per category where a task's prompts
+    span more than one."""
     rows = []
     for task in task_names:
         for t in temps:
             base = tallies[(task, t, BASELINE)]
-            for c in choices:
-                if (task, t, c.label) in tallies:
-                    rows.append(_row(task, t, c, tallies[(task, t, c.label)], base))
-    category_rows = []  # the same fields per category, where a task's prompts span more than one
+            rows += [_row(task, t, c, tallies[(task, t, c.label)], base) for c in choices if (task, t, c.label) in tallies]
+    category_rows = []
     for task in task_names:
         categories = list(dict.fromkeys(p.category for p, _ in encoded[task] if p.category))
         for category in categories if len(categories) > 1 else []:
             for t in temps:
                 base = by_category[(task, category, t, BASELINE)]
-                for c in choices:
-                    if (task, category, t, c.label) in by_category:
-                        category_rows.append({"category": category,
-                                              **_row(task, t, c, by_category[(task, category, t, c.label)], base)})
-    results = {"meta": meta, "rows": rows, "category_rows": category_rows, "skipped": skipped,
-               "prompts": {task: [p.id for p, _ in items] for task, items in encoded.items()}}
+                category_rows += [{"category": category, **_row(task, t, c, by_category[(task, category, t, c.label)], base)}
+                                  for c in choices if (task, category, t, c.label) in by_category]
+    return rows, category_rows
+
+
+def _warn_if_inexact(rows: list[dict], dtype: str) -> None:
     for row in rows:
         if row["exact"] is False:
             shown = ", ".join(f"{m['prompt_id']} at token {m['first_divergence']}" for m in row["mismatches"][:5])
             hint = ("; in bf16/fp16 a forward over several tokens rounds differently from one over a single token, "
-                    "compare in float32") if meta["dtype"] != "float32" else "; in float32 this is a bug"
+                    "compare in float32") if dtype != "float32" else "; in float32 this is a bug"
             logger.warning("%s is not token-identical to %s on task %s at temperature 0: %d of %d prompts differ "
                            "(first divergence: %s)%s", row["method"], BASELINE, row["task"], len(row["mismatches"]),
                            row["prompts"], shown, hint)
-    write_outputs(results, out, plots=plots)
-    return results
 
 
 def _meta(target, choices, tasks, temps, max_new_tokens, limit, seed, command) -> dict:
