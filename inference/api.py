@@ -19,11 +19,11 @@ from typing import Sequence
 
 from selfdraft.configs.decode import DecodeConfig, PromptLookupConfig, TreeConfig
 from selfdraft.errors import SelfdraftError
+from selfdraft.inference.batch import BatchSession
 from selfdraft.inference.decode import speculative_decode
 from selfdraft.inference.drafters import Drafter
 from selfdraft.inference.policy import FIXED, legacy_policy, policy_for
 from selfdraft.inference.specs import make_drafter
-from selfdraft.inference.session import CausalLMSession
 
 
 @dataclass
@@ -130,7 +130,7 @@ def generate(
     folder = drafter if isinstance(drafter, str) else None
     drafter = make_drafter(drafter, target, tree=tree, prompt_lookup=prompt_lookup)
 
-    session = CausalLMSession(target.model, hidden_layers=drafter.hidden_layers)
+    session = BatchSession(target.model, hidden_layers=drafter.hidden_layers)
     out = speculative_decode(
         session, ids, drafter, config, eos_token_ids=target.eos_token_ids, max_context=target.max_context,
         policy=policy_for(target, drafter, policy, folder=_folder(folder)),
@@ -206,7 +206,7 @@ def generate_batch(
     measured costs, and valued trees are cut to what pays there (inference/policy.py). ``"fixed"`` drafts
     the drafter's own tree at every step. ``speculation`` is the previous release's option (an alias).
     """
-    from selfdraft.inference.batch import BatchSession, batched_decode
+    from selfdraft.inference.decode import batched_decode
     from selfdraft.inference.costs import check_batch_fits
 
     policy = legacy_policy(speculation=speculation) or policy

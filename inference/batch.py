@@ -1,4 +1,5 @@
-"""Batched speculative decoding: B prompts in one target forward per step, each row with its own tree.
+"""The target's session: B prompts in one target forward per step, each row with its own tree (batch 1
+is a batch of one; the loop is inference/decode.py's ``batched_decode``).
 
 Why a batch: a step of a small model on a CPU (or any model on a GPU) is bound by reading the weights,
 so B rows cost far less than B steps; speculative decoding spends the same spare compute on draft
@@ -30,22 +31,14 @@ block drafters; EAGLE-1 and EAGLE-3 one per tree depth, all rows in lockstep), r
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import torch
 
-from selfdraft.configs.decode import DecodeConfig
 from selfdraft.errors import SelfdraftError
 from selfdraft.heads.target_layers import TargetLayers
-from selfdraft.inference.decode import (
-    DecodeOutput, DecodeStats, SampleRule, accept, committed_tokens, sampling_generator, tree_buffers, verified,
-)
-from selfdraft.inference.drafters import Drafter
-from selfdraft.inference.policy import FIXED, DraftPolicy
 from selfdraft.inference.session import StepOutput
 from selfdraft.inference.tree import DraftTree, TreeBuffers
-from selfdraft.inference.verify import choose_token, sample_verify
 
 
 class BatchSession:
@@ -79,12 +72,18 @@ class BatchSession:
     def slots(self) -> int:
         return self.valid.shape[1]
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, keep_logits,
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None, keep_logits,
                  padding: torch.Tensor | None = None):
-        """ids, positions (B, T); visible (B, T, S + T) bool: which slots each fed token may attend to;
-        padding (B, T) or None: the real tokens of a left-padded prefill."""
-        keys = torch.cat([self.positions, positions], dim=1) if self.slots else positions  # (B, S + T)
-        mask = self.layers.masks(visible, positions, keys, self.mask_dtype, padding)
+        """ids, positions (B, T); visible (B, T, S + T) bool: which slots each fed token may attend to, or
+        None where that is plain causal attention over every slot (a batch of one fed a chain: the
+        model's own causal mask, as a forward without a cache would have it); padding (B, T) or None:
+        the real tokens of a left-padded prefill."""
+        mask = None
+        if visible is not None or self.layers.windowed:
+            keys = torch.cat([self.positions, positions], dim=1) if self.slots else positions  # (B, S + T)
+            if visible is None:
+                visible = keys[:, None, :] <= positions[:, :, None]
+            mask = self.layers.masks(visible, positions, keys, self.mask_dtype, padding)
         return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True,
                           logits_to_keep=keep_logits, output_hidden_states=bool(self.hidden_layers))
 
@@ -110,7 +109,7 @@ class BatchSession:
         causal = slot[None, :] <= slot[:, None]  # (T, T): query j sees keys k <= j
         visible = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
         padded = None if min(lengths) == width else real.to(self.mask_dtype)
-        out = self._forward(ids, positions, visible, 1, padding=padded)
+        out = self._forward(ids, positions, None if len(prompts) == 1 else visible, 1, padding=padded)
         self.lengths, self.valid, self.positions = lengths, real, positions
         self.layers.start_recording(self.cache)
         return [StepOutput(logits=out.logits[i, -1:],
@@ -136,10 +135,14 @@ class BatchSession:
             host[1, i, m:] = self.lengths[i]
             new[i, :m, :m] = b.ancestors.cpu()
             new[i, m:, m:] = torch.eye(width - m, dtype=torch.bool)  # padding sees itself only
-        host, new = host.to(self.device), new.to(self.device)
-        real = torch.arange(width, device=self.device)[None, :] < torch.tensor(sizes, device=self.device)[:, None]
-        cached = self.valid[:, None, :] & real[:, :, None]  # (B, M, S): real positions see their row's tokens
-        out = self._forward(host[0], host[1], torch.cat([cached, new], dim=2), 0)
+        host = host.to(self.device)
+        if rows == 1 and buffers[0].is_chain:  # every slot is the row's, in order: plain causal attention
+            visible = None
+        else:
+            real = torch.arange(width, device=self.device)[None, :] < torch.tensor(sizes, device=self.device)[:, None]
+            cached = self.valid[:, None, :] & real[:, :, None]  # (B, M, S): real positions see their row's tokens
+            visible = torch.cat([cached, new.to(self.device)], dim=2)
+        out = self._forward(host[0], host[1], visible, 0)
         self._base = past
         self.valid = torch.cat([self.valid, torch.zeros(rows, width, dtype=torch.bool, device=self.device)], dim=1)
         self.positions = torch.cat([self.positions, host[1]], dim=1)
@@ -188,151 +191,3 @@ class BatchSession:
         positions = self.positions.index_select(0, index)
         self.positions = positions if columns is None else positions[:, columns]
         self.lengths = [self.lengths[i] for i in rows]
-
-
-class _Row:
-    """One prompt's decoding state inside a batch."""
-
-    def __init__(self, index: int, prompt: list[int], generator: torch.Generator | None):
-        self.index = index  # its place in the batch as given
-        self.sequence = list(prompt)
-        self.emitted: list[int] = []
-        self.stats = DecodeStats()
-        self.generator = generator
-        self.state = None
-        self.stop_reason = "max_new_tokens"
-        self.seconds = 0.0
-
-
-def batched_decode(
-    session: BatchSession,
-    prompts: Sequence[Sequence[int]],
-    drafter: Drafter,
-    config: DecodeConfig,
-    *,
-    seeds: Sequence[int | None] | None = None,
-    eos_token_ids: Sequence[int] = (),
-    max_context: int | None = None,
-    policy: DraftPolicy = FIXED,
-    sample_rule: SampleRule = sample_verify,
-) -> list[DecodeOutput]:
-    """Generate up to ``config.max_new_tokens`` tokens after each prompt, all rows in one target forward
-    per step. Returns one :class:`DecodeOutput` per prompt, in order; a row's ``seconds`` is the time
-    until it finished (its latency in the batch).
-
-    Each row's greedy output equals its own batch-1 output; sampled rows keep the target's distribution,
-    row by row. ``seeds``: one per prompt (default: ``config.seed`` for every row, so a row decodes as
-    the same prompt alone with that seed would). ``policy``: whether the live rows draft and what part
-    of each row's tree is verified, at the live batch size (inference/policy.py; default: every row's whole
-    tree every step).
-    """
-    prompts = [list(p) for p in prompts]
-    if not prompts:
-        raise SelfdraftError("the batch is empty: give at least one prompt")
-    for i, p in enumerate(prompts):
-        if not p:
-            raise SelfdraftError(f"prompt {i} of the batch is empty: give at least one token")
-        if max_context is not None and len(p) > max_context:
-            raise SelfdraftError(f"prompt {i} of the batch has {len(p)} tokens but the model's context holds "
-                                 f"{max_context}; shorten it or use a model with a longer context")
-    seeds = [config.seed] * len(prompts) if seeds is None else list(seeds)
-    if len(seeds) != len(prompts):
-        raise SelfdraftError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one per prompt")
-    eos = set(int(t) for t in eos_token_ids) if config.stop_on_eos else set()
-    start = time.perf_counter()
-
-    outs = session.prefill(prompts)
-    rows = []
-    for i, (prompt, out) in enumerate(zip(prompts, outs)):
-        generator = sampling_generator(config, out.logits.device, seeds[i])
-        row = _Row(i, prompt, generator)
-        row.stats.target_forwards = 1
-        first = choose_token(out.logits[-1].float(), config, generator)
-        row.emitted.append(first)
-        row.sequence.append(first)
-        row.stats.accept_histogram[1] += 1
-        t0 = time.perf_counter()
-        row.state = drafter.start(prompt, out)
-        row.stats.draft_seconds += time.perf_counter() - t0
-        if first in eos:
-            row.stop_reason = "eos"
-        rows.append(row)
-    live = _finish(session, rows, config, max_context, start)
-    run = policy.run(len(rows))
-
-    while live:
-        ids = [row.index for row in live]
-        budget = run.plan(ids, [config.max_new_tokens - len(row.emitted) for row in live])
-        if budget == 0:  # drafting does not pay at this batch size: a plain step
-            proposed = [DraftTree.empty()] * len(live)
-            for row in live:
-                row.stats.skipped_steps += 1
-        else:  # one call for the batch: a batched drafter drafts every row in one forward
-            t0 = time.perf_counter()
-            proposals = drafter.propose_batch([row.state for row in live], [row.sequence for row in live])
-            share = (time.perf_counter() - t0) / len(live)
-            proposed = []
-            for row, (tree, row.state) in zip(live, proposals):
-                row.stats.draft_seconds += share
-                row.stats.drafted_steps += 1
-                proposed.append(tree)
-        trees = []
-        for i, (row, tree) in enumerate(zip(live, proposed)):
-            remaining = config.max_new_tokens - len(row.emitted)
-            row.stats.proposed_nodes += tree.num_nodes
-            max_depth = remaining - 1
-            if max_context is not None:
-                max_depth = min(max_depth, max_context - 1 - session.lengths[i])
-            trees.append(tree.prune(max_depth=max_depth, max_nodes=tree.num_nodes if budget is None else min(budget, tree.num_nodes)))
-        drafted = budget != 0
-        step_seconds = [drafter.step_seconds(row.state) for row in live] if drafted else []
-        if drafted:  # what is worth verifying at this batch size
-            trees = run.verify(trees, step_seconds)
-        if not session.trees:  # a recurrent target verifies one chain per row
-            trees = [tree.best_path() for tree in trees]
-        buffers = [tree_buffers(tree) for tree in trees]
-
-        outs = session.verify([row.sequence[-1] for row in live], trees, buffers)
-        keeps, news = [], []
-        for row, tree, b, out in zip(live, trees, buffers, outs):
-            row.stats.target_forwards += 1
-            accepted, bonus = accept(out.logits, tree, b, config, row.generator, sample_rule)
-            keeps.append([0] + accepted)
-            new, hit_eos = committed_tokens(tree, accepted, bonus, eos, config.max_new_tokens - len(row.emitted))
-            if hit_eos:
-                row.stop_reason = "eos"
-            row.emitted += new
-            row.sequence += new
-            row.stats.count_step(tree, b, accepted, new)
-            news.append(new)
-        session.commit(keeps)
-        if drafted:
-            run.record(ids, trees, [len(k) for k in keeps], step_seconds)
-
-        for row, keep, new, out, tree in zip(live, keeps, news, outs, trees):
-            if row.stop_reason == "eos":
-                continue
-            t0 = time.perf_counter()
-            row.state = drafter.observe(row.state, verified(out, keep, new, tree))
-            row.stats.draft_seconds += time.perf_counter() - t0
-        live = _finish(session, live, config, max_context, start)
-
-    return [DecodeOutput(token_ids=row.emitted, stats=row.stats, seconds=row.seconds, stop_reason=row.stop_reason)
-            for row in rows]
-
-
-def _finish(session: BatchSession, live: list[_Row], config: DecodeConfig, max_context: int | None,
-            start: float) -> list[_Row]:
-    """The rows that go on (in session order); finished ones get their time and leave the session."""
-    going = []
-    for i, row in enumerate(live):
-        if row.stop_reason != "eos" and max_context is not None and session.lengths[i] >= max_context \
-                and len(row.emitted) < config.max_new_tokens:
-            row.stop_reason = "context"  # no position left for the root
-        if row.stop_reason in ("eos", "context") or len(row.emitted) >= config.max_new_tokens:
-            row.seconds = time.perf_counter() - start
-        else:
-            going.append(i)
-    if going and len(going) < len(live):
-        session.select(going)
-    return [live[i] for i in going]

@@ -272,13 +272,13 @@ def measure_draft_cost(target, drafter, *, context: int = COST_CONTEXT, reps: in
     """Seconds of one ``drafter.propose`` after ``context`` random tokens, the drafter caught up on them
     (median of ``reps`` after two warm-ups); with ``rows`` > 1, of one ``drafter.propose_batch`` of that
     many such rows (a batch of one is one proposal)."""
-    from selfdraft.inference.session import CausalLMSession
+    from selfdraft.inference.batch import BatchSession
 
     text = target.model.config.get_text_config()
     rng = random.Random(1)
     ids = [rng.randrange(text.vocab_size) for _ in range(context)]
-    session = CausalLMSession(target.model, hidden_layers=drafter.hidden_layers)
-    state = drafter.start(ids, session.prefill(ids))
+    session = BatchSession(target.model, hidden_layers=drafter.hidden_layers)
+    state = drafter.start(ids, session.prefill([ids])[0])
     sequence = ids + [rng.randrange(text.vocab_size)]
     _, state = drafter.propose(state, sequence)  # the drafter catches up on the prompt once, as in a decode
     samples = []

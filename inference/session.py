@@ -1,8 +1,8 @@
-"""The one module that feeds a transformers causal LM during decoding at batch 1 (inference/batch.py
-feeds a batch).
+"""One sequence of a transformers causal LM: a draft model's session (inference/batch.py's
+``BatchSession`` feeds the target, at every batch size), and the batch-1 :class:`TargetSession`
+protocol that the decoding loop also takes (a scripted stub in the tests; ``decode.OneRow``).
 
-A :class:`CausalLMSession` is the per-sequence state of one model (target or draft model): its
-cache and how many tokens it holds. It feeds tokens (plain, or a tree with 4D float masks and
+A :class:`CausalLMSession` is the per-sequence state of one model: its cache and how many tokens it holds. It feeds tokens (plain, or a tree with 4D float masks and
 explicit position ids), and compacts the cache to an accepted path. It is created by the decoding
 loop for one generation and passed around; nothing is stored on the model. The cache, the masks per
 layer kind and the rollback of recurrent layers come from the target's

@@ -17,7 +17,8 @@ import torch
 
 from selfdraft.configs.decode import DRAFT_MODEL_TREE, DecodeConfig, PromptLookupConfig
 from selfdraft.errors import SelfdraftError
-from selfdraft.inference.batch import BatchSession, batched_decode
+from selfdraft.inference.batch import BatchSession
+from selfdraft.inference.decode import batched_decode
 from selfdraft.inference.decode import speculative_decode
 from selfdraft.inference.drafters import DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter, Verified
 from selfdraft.inference.hybrid import CopyDrafter, HybridDrafter

@@ -80,7 +80,7 @@ def test_bench_writes_every_field_and_flags_an_inexact_method(tiny_target, tiny_
                                                               monkeypatch, capsys):
     monkeypatch.setitem(bench.METHODS, "flip", _flip_method())
     methods = ["hf-greedy", "prompt-lookup@tokens=4,max_nodes=8", f"draft-model:{tiny_draft}@depth=3,top_k=2",
-               f"{tiny_medusa}@max_nodes=3", "flip", "hf-prompt-lookup@tokens=3"]
+               f"{tiny_medusa}@max_nodes=3,policy=fixed", "flip", "hf-prompt-lookup@tokens=3"]  # fixed: drafts every step
     out = tmp_path / "out"
     results = bench.run_bench(str(tiny_target), methods, "mt_bench,humaneval", [0], max_new_tokens=8, limit=2, out=out,
                               progress=False, command="test")

@@ -29,7 +29,8 @@ import families  # noqa: E402  (tests/families.py, beside this file)
 from selfdraft.configs.decode import DRAFT_MODEL_TREE, DecodeConfig  # noqa: E402
 from selfdraft.errors import SelfdraftError  # noqa: E402
 from selfdraft.heads.target_layers import TargetLayers  # noqa: E402
-from selfdraft.inference.batch import BatchSession, batched_decode  # noqa: E402
+from selfdraft.inference.batch import BatchSession  # noqa: E402
+from selfdraft.inference.decode import batched_decode  # noqa: E402
 from selfdraft.inference.decode import speculative_decode  # noqa: E402
 from selfdraft.inference.drafters import DraftModelDrafter, PromptLookupDrafter  # noqa: E402
 from selfdraft.inference.session import CausalLMSession  # noqa: E402

@@ -518,7 +518,8 @@ def test_each_row_of_a_batch_has_its_prompts_distribution(target_model, target, 
     """Batched decoding (inference/batch.py): rows of two prompts of different lengths (so one is padded),
     each with its own seed, in batches of 4 through one BatchSession per batch; every row's
     continuations follow its own prompt's law (chi-square per row and per prompt)."""
-    from selfdraft.inference.batch import BatchSession, batched_decode
+    from selfdraft.inference.batch import BatchSession
+    from selfdraft.inference.decode import batched_decode
 
     sampling, batches = Sampling(1.0), 1_000
     prompts = [PROMPT, OTHER_PROMPT, PROMPT, OTHER_PROMPT]
@@ -742,7 +743,8 @@ def test_other_layer_kinds_keep_the_target_distribution(family, law, test_device
     target (chains only, states rolled back through transformers' recorded history): batch 1, and rows of
     two prompts of different lengths in one BatchSession (left padding before a recurrent state; each row
     rolled back by its own count). The law is the model's own full forward, windows and states included."""
-    from selfdraft.inference.batch import BatchSession, batched_decode
+    from selfdraft.inference.batch import BatchSession
+    from selfdraft.inference.decode import batched_decode
 
     model = tiny_family(family, 0).to(test_device)
     target = PrefixLogits(model)

@@ -52,7 +52,8 @@ def _trim(tokens: list[int], eos: set[int]) -> list[int]:
 
 def _loop_group(runner: LoopRunner, group, max_new_tokens: int, policy) -> tuple[list[list[int]], int, int]:
     """Our batched loop on one group: (tokens per row, row-steps, drafted row-steps)."""
-    from selfdraft.inference.batch import BatchSession, batched_decode
+    from selfdraft.inference.batch import BatchSession
+    from selfdraft.inference.decode import batched_decode
 
     target, drafter = runner.target, runner.drafter
     outs = batched_decode(BatchSession(target.model, hidden_layers=drafter.hidden_layers), group, drafter,

@@ -69,11 +69,11 @@ class LoopRunner:
         return self._policies[key]
 
     def __call__(self, ids: list[int], temperature: float, seed: int | None, max_new_tokens: int) -> Generation:
+        from selfdraft.inference.batch import BatchSession
         from selfdraft.inference.decode import speculative_decode
-        from selfdraft.inference.session import CausalLMSession
 
         config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-        session = CausalLMSession(self.target.model, hidden_layers=self.drafter.hidden_layers)
+        session = BatchSession(self.target.model, hidden_layers=self.drafter.hidden_layers)
         out = speculative_decode(session, ids, self.drafter, config, eos_token_ids=self.target.eos_token_ids,
                                  max_context=self.target.max_context, policy=self.policy_at(1))
         s = out.stats
