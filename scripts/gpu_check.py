@@ -633,7 +633,9 @@ class Check:
         folder = save_drafter(self.work / "random-eagle3", module,
                               DrafterRecord(kind="eagle3", dims=module.dims, target=target.identity))
         tasks = [str(self.assets / "mt_bench.jsonl"), str(self.assets / "humaneval.jsonl")]
-        results = run_bench(target, ["prompt-lookup", str(folder)], tasks, max_new_tokens=32 if self.tiny else 96,
+        # The drafter drafts every step (policy=fixed): its acceptance and proposal depth are what the
+        # prediction reads; the default policy would soon stop drafting random drafts.
+        results = run_bench(target, ["prompt-lookup", f"{folder}@policy=fixed"], tasks, max_new_tokens=32 if self.tiny else 96,
                             limit=2 if self.tiny else 4, out=self.out / "bench", plots=False, progress=False,
                             command="scripts/gpu_check.py bench", fresh=True)
         entry["rows"] = [{k: r[k] for k in ("task", "method", "tokens_per_second", "speedup", "acceptance_length", "exact")}
