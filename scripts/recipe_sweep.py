@@ -185,7 +185,6 @@ class Sweep:
 
     def train_arm(self, name: str, arm: dict, best: str | None) -> None:
         from selfdraft.train import checkpoint as ckpt
-        from selfdraft.train.budget import StepCosts
         from selfdraft.train.features import write_features
         from selfdraft.train.loop import train
 
@@ -230,30 +229,7 @@ class Sweep:
         config = self.config(name, arm, extra)
         run_dir = pathlib.Path(config.train.output_dir)
         if "planned_steps" not in record:
-            self.phase(f"{name}: calibration")
-            latest = ckpt.latest_checkpoint(run_dir / "checkpoints")
-            start = ckpt.read_state(latest)["step"] if latest else 0
-            first = train(config, resume=latest is not None, stop_after=start + self.args.calibration_steps)
-            costs = StepCosts.measured(first, config.train.micro_batch_size * config.train.grad_accum)
-            per_step = costs.seconds_per_step
-            record["calibration"] = {"seconds_per_step": per_step, "target_seconds_per_step": costs.target_seconds_per_step,
-                                     "conversations_per_step": costs.conversations_per_step,
-                                     "step_seconds": [round(x, 3) for x in first.step_seconds]}
-            # Equal compute across sessions: the arm this one is compared with, timed again now, gives the
-            # machine's speed today against the session it ran in (the same cached step's time varies
-            # between sessions on the same kind of machine); the budget and a cache written then are
-            # rescaled to today's seconds before they buy steps.
-            reference = cache if record.get("features_from") else best if arm.get("data") == "distilled" else None
-            budget, charged = self.budget, feature_seconds
-            if reference:
-                then, now = self.reference_speed(name, run_dir, reference)
-                record["calibration"].update(reference=reference, reference_seconds_then=then, reference_seconds_now=now)
-                budget = self.budget * now / then
-                if record.get("features_from"):
-                    charged = feature_seconds * now / then
-            record["planned_steps"] = max(first.step + 1, int((budget - charged) / per_step))
-            record["calibration"]["train_seconds"] = first.train_seconds
-            self.save()
+            self.calibrate(name, arm, record, config, best, cache, feature_seconds)
         planned = record["planned_steps"]
         self.phase(f"{name}: train {planned} steps")
         config = self.config(name, arm, [*extra, f"train.max_steps={planned}",
@@ -270,6 +246,39 @@ class Sweep:
         record["budget_seconds"] = round(feature_seconds + planned * per_step, 1)
         # what the steps took (calibration included): the budget's check, on a machine that stayed quiet
         record["spent_seconds"] = round(feature_seconds + record["calibration"].get("train_seconds", 0) + result.train_seconds, 1)
+        self.save()
+
+    def calibrate(self, name: str, arm: dict, record: dict, config, best: str | None, cache, feature_seconds: float) -> None:
+        """Time the arm's first steps and plan its steps: the budget, less the feature cache's seconds, in
+        steps of the measured time."""
+        from selfdraft.train import checkpoint as ckpt
+        from selfdraft.train.budget import StepCosts
+        from selfdraft.train.loop import train
+
+        run_dir = pathlib.Path(config.train.output_dir)
+        self.phase(f"{name}: calibration")
+        latest = ckpt.latest_checkpoint(run_dir / "checkpoints")
+        start = ckpt.read_state(latest)["step"] if latest else 0
+        first = train(config, resume=latest is not None, stop_after=start + self.args.calibration_steps)
+        costs = StepCosts.measured(first, config.train.micro_batch_size * config.train.grad_accum)
+        per_step = costs.seconds_per_step
+        record["calibration"] = {"seconds_per_step": per_step, "target_seconds_per_step": costs.target_seconds_per_step,
+                                 "conversations_per_step": costs.conversations_per_step,
+                                 "step_seconds": [round(x, 3) for x in first.step_seconds]}
+        # Equal compute across sessions: the arm this one is compared with, timed again now, gives the
+        # machine's speed today against the session it ran in (the same cached step's time varies
+        # between sessions on the same kind of machine); the budget and a cache written then are
+        # rescaled to today's seconds before they buy steps.
+        reference = cache if record.get("features_from") else best if arm.get("data") == "distilled" else None
+        budget, charged = self.budget, feature_seconds
+        if reference:
+            then, now = self.reference_speed(name, run_dir, reference)
+            record["calibration"].update(reference=reference, reference_seconds_then=then, reference_seconds_now=now)
+            budget = self.budget * now / then
+            if record.get("features_from"):
+                charged = feature_seconds * now / then
+        record["planned_steps"] = max(first.step + 1, int((budget - charged) / per_step))
+        record["calibration"]["train_seconds"] = first.train_seconds
         self.save()
 
     def bench_arm(self, name: str) -> None:

@@ -139,3 +139,18 @@ def test_no_shared_module_names_a_kind():
                 if hit:
                     found.append(f"{relative}:{node.lineno}: {hit}")
     assert not found, "shared modules name drafter kinds:\n" + "\n".join(found)
+
+
+def test_no_function_outside_the_tests_is_longer_than_a_reader_can_hold():
+    """About 80 lines at most (docstring and signature included) for a function or method of the package
+    and its scripts: a longer one is split into the steps it takes."""
+    longest = 85
+    found = []
+    for folder in ("selfdraft", "configs", "heads", "train", "inference", "scripts"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > longest:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
+    assert not found, f"functions over {longest} lines:\n" + "\n".join(found)
