@@ -1,8 +1,8 @@
 """How much to draft: one policy decides, step by step, whether the live rows draft and how many draft
 nodes each row verifies, and learns from what each step committed.
 
-Both decode loops (inference/decode.py, one request; inference/batch.py, B rows in one target forward)
-drive a :class:`PolicyRun` (one per request or batch, from :meth:`DraftPolicy.run`) the same way:
+The decode loop (inference/decode.py: B rows in one target forward, a single request a batch of one)
+drives a :class:`PolicyRun` (one per request or batch, from :meth:`DraftPolicy.run`):
 
 1. :meth:`PolicyRun.plan` before the drafter runs: 0 (a plain step; the drafter is not run), None (the
    drafter's whole tree) or n (at most n draft nodes per row);
