@@ -60,16 +60,116 @@ from selfdraft.heads.speculators import serve_command, speculators_config
 from selfdraft.heads.vllm_targets import vllm_capture_problem
 
 WEIGHTS = "model.safetensors"
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}
-TITLES = {"dflash": "DFlash", "dspark": "DSpark"}
+SGLANG_REDUCED_VOCAB_COMMIT = "67d00001"
+"""The first sgl-project/sglang commit read whose DSpark loads a reduced draft vocabulary."""
+
+
+class DFlashLayout:
+    """What the engines' layouts say of a DFlash drafter; :class:`DSparkLayout` adds DSpark's heads. The
+    writers and the reader below are shared and ask the drafter's variant, never its kind's name."""
+
+    dims = DFlashDims
+    architecture = "DFlashDraftModel"
+    title = "DFlash"
+    sglang_algorithm = "DFLASH"
+    default_block_size = 16
+    """The block size a vLLM config that states none means (z-lab's DFlash)."""
+
+    def head_fields(self, d) -> dict[str, Any]:
+        """Config keys of the heads beyond the backbone (vLLM's and the speculators layout's)."""
+        return {}
+
+    def vllm_fields(self, d, layer_ids: list[int]) -> dict[str, Any]:
+        """Top-level keys of vLLM's config beyond the Qwen3 config and ``dflash_config``."""
+        return {}
+
+    def card_lines(self, d) -> list[str]:
+        return []
+
+    def vllm_note(self) -> str:
+        return ""
+
+    def check_sglang(self, drafter: BlockHead) -> None:
+        """Refuse what SGLang would serve wrongly: a DFlash drafter with its own (reduced-vocabulary) head."""
+        d = drafter.dims
+        if drafter.own_head:
+            raise SelfdraftError(
+                f"SGLang drafts DFlash through the target's own LM head (its loader keeps no lm_head and drops it "
+                f"silently), and this drafter drafts over a reduced vocabulary of {d.draft_vocab_size} tokens with its "
+                f"own head. Train with drafter.block.draft_vocab_size={d.vocab_size} (the target's vocabulary) to serve "
+                f"DFlash in SGLang, or export --format vllm (vLLM reads the reduced vocabulary)")
+
+    def sglang_notes(self, drafter: BlockHead) -> list[str]:
+        return []
+
+    def read_heads(self, folder: pathlib.Path, config: dict, tensors: dict) -> dict[str, Any]:
+        """The dims fields of the heads beyond the backbone, from a folder's config and weights."""
+        return {}
+
+
+class DSparkLayout(DFlashLayout):
+    """DSpark: DFlash's backbone with a Markov head and a confidence head, sampling from the anchor."""
+
+    dims = DSparkDims
+    architecture = "Qwen3DSparkModel"
+    title = "DSpark"
+    sglang_algorithm = "DSPARK"
+    default_block_size = 7
+    """The block size a vLLM config that states none means (DeepSpec's DSpark)."""
+
+    def head_fields(self, d) -> dict[str, Any]:
+        return dict(markov_rank=d.markov_rank, markov_head_type="vanilla", enable_confidence_head=d.confidence_head,
+                    confidence_head_with_markov=True)
+
+    def vllm_fields(self, d, layer_ids: list[int]) -> dict[str, Any]:
+        return dict(mask_token_id=d.mask_token_id, target_layer_ids=layer_ids, **self.head_fields(d),
+                    sample_from_anchor=True)
+
+    def card_lines(self, d) -> list[str]:
+        return [f"Markov head of rank {d.markov_rank}" + (", confidence head" if d.confidence_head else "")]
+
+    def vllm_note(self) -> str:
+        return ("\nvLLM serves DSpark with its V2 model runner, which needs Triton (a GPU); its CPU build refuses "
+                "the method. Add `\"enable_adaptive_verification\": true` to the speculative config to let vLLM size "
+                "each step's verification from the confidence head.\n")
+
+    def check_sglang(self, drafter: BlockHead) -> None:
+        return None
+
+    def sglang_notes(self, drafter: BlockHead) -> list[str]:
+        notes = []
+        if drafter.own_head:
+            notes += [f"The reduced draft vocabulary needs SGLang at or after commit {SGLANG_REDUCED_VOCAB_COMMIT} "
+                      "(`draft_vocab_size`, `lm_head`, `d2t`); earlier versions skip `lm_head` and draft through the "
+                      "target's head: still exact, but accepting next to nothing.", ""]
+        if drafter.dims.confidence_head:
+            notes += ["SGLang sizes each step's verification from the confidence head only in its ragged verify "
+                      "modes (`SGLANG_RAGGED_VERIFY_MODE` other than `static`, the default).", ""]
+        return notes
+
+    def read_heads(self, folder: pathlib.Path, config: dict, tensors: dict) -> dict[str, Any]:
+        if "markov_head.markov_w1.weight" not in tensors:
+            raise SelfdraftError(f"{folder}: a DSpark folder without its Markov head weights (markov_head.*)")
+        heads = {"markov_rank": int(config["markov_rank"]), "confidence_head": bool(config.get("enable_confidence_head"))}
+        if heads["confidence_head"] and "confidence_head.proj.weight" not in tensors:
+            raise SelfdraftError(f"{folder}: enable_confidence_head is set but confidence_head.proj.* is missing")
+        return heads
+
+
+VARIANTS = (DFlashLayout(), DSparkLayout())
+
+
+def variant(dims) -> DFlashLayout:
+    """The layout variant of a block drafter's dims."""
+    return next(v for v in VARIANTS if type(dims) is v.dims)
 
 
 def vllm_config(drafter: BlockHead, num_target_layers: int) -> dict[str, Any]:
     """config.json of the vLLM layout (a Qwen3 config of the draft plus the block keys)."""
-    d, kind = drafter.dims, drafter.dims.KIND_FIELD
+    d = drafter.dims
     layer_ids = [i - 1 for i in d.target_layers]  # hidden_states index -> "output of decoder layer i"
     config = {
-        "architectures": [ARCHITECTURES[kind]], "model_type": "qwen3",
+        "architectures": [variant(d).architecture], "model_type": "qwen3",
         "hidden_size": d.hidden_size, "intermediate_size": d.intermediate_size, "num_hidden_layers": d.num_layers,
         "num_attention_heads": d.num_heads, "num_key_value_heads": d.num_kv_heads, "head_dim": d.head_dim,
         "hidden_act": "silu", "rms_norm_eps": d.rms_norm_eps, "rope_theta": d.rope_theta,
@@ -80,10 +180,7 @@ def vllm_config(drafter: BlockHead, num_target_layers: int) -> dict[str, Any]:
         "target_hidden_size": d.hidden_size, "num_target_layers": num_target_layers, "block_size": d.block_size,
         "dflash_config": {"mask_token_id": d.mask_token_id, "target_layer_ids": layer_ids},
     }
-    if kind == "dspark":
-        config.update(mask_token_id=d.mask_token_id, target_layer_ids=layer_ids, markov_rank=d.markov_rank,
-                      markov_head_type="vanilla", enable_confidence_head=d.confidence_head,
-                      confidence_head_with_markov=True, sample_from_anchor=True)
+    config.update(variant(d).vllm_fields(d, layer_ids))
     return config
 
 
@@ -103,14 +200,12 @@ def _card_details(drafter: BlockHead, vocabulary: str) -> list[str]:
     details = [f"{d.num_layers} Qwen3 draft layer(s) (hidden {d.hidden_size})", f"block of {d.block_size} slots, "
                f"{d.drafts_per_block} drafted tokens per forward", f"fuses the target's hidden_states {list(d.target_layers)}",
                f"mask token {d.mask_token_id}", vocabulary]
-    if d.KIND_FIELD == "dspark":
-        details.append(f"Markov head of rank {d.markov_rank}" + (", confidence head" if d.confidence_head else ""))
-    return details
+    return details + variant(d).card_lines(d)
 
 
 def check_vllm(drafter: BlockHead, architecture: str) -> None:
     """Refuse what vLLM cannot serve: a target whose model does not capture the fused hidden states."""
-    problem = vllm_capture_problem(architecture, TITLES[drafter.dims.KIND_FIELD])
+    problem = vllm_capture_problem(architecture, variant(drafter.dims).title)
     if problem:
         raise SelfdraftError(f"cannot export this {drafter.dims.KIND_FIELD} drafter for vLLM: {problem}")
 
@@ -122,13 +217,9 @@ def _write_vllm(drafter: BlockHead, ctx: ExportContext) -> tuple[pathlib.Path, s
     drafts = d.drafts_per_block
     command = vllm_command(ctx.target_path, str(ctx.out), kind, drafts)
     details = _card_details(drafter, f"draft vocabulary {d.draft_vocab_size} of {d.vocab_size} tokens")
-    card = model_card(engine="vllm", engine_name="vLLM", title=TITLES[kind], target=record.target.to_dict(),
+    card = model_card(engine="vllm", engine_name="vLLM", title=variant(d).title, target=record.target.to_dict(),
                       folder=str(ctx.out), run_config=record.run_config, evaluation=record.evaluation, details=details,
-                      command=command, acceptance=ctx.acceptance)
-    if kind == "dspark":
-        card += ("\nvLLM serves DSpark with its V2 model runner, which needs Triton (a GPU); its CPU build refuses "
-                 "the method. Add `\"enable_adaptive_verification\": true` to the speculative config to let vLLM size "
-                 "each step's verification from the confidence head.\n")
+                      command=command, acceptance=ctx.acceptance) + variant(d).vllm_note()
     tensors = vllm_tensors(drafter)
     expected = set(BlockHead(d).state_dict()) - ({"d2t"} if not drafter.own_head else set())
     if set(tensors) != expected:  # vLLM would leave a missing weight uninitialised without a word
@@ -140,10 +231,10 @@ def _write_vllm(drafter: BlockHead, ctx: ExportContext) -> tuple[pathlib.Path, s
 
 def _served_as(config: dict) -> dict | None:
     arch = (config.get("architectures") or [None])[0]
-    if arch == ARCHITECTURES["dflash"]:
-        return {"method": "dflash", "num_speculative_tokens": int(config.get("block_size", 16)) - 1, "fixed": True}
-    if arch == ARCHITECTURES["dspark"]:
-        return {"method": "dspark", "num_speculative_tokens": int(config.get("block_size", 7)), "fixed": True}
+    for v in VARIANTS:  # vLLM's method names are the kinds'
+        if arch == v.architecture:
+            block = int(config.get("block_size", v.default_block_size))
+            return {"method": v.dims.KIND_FIELD, "num_speculative_tokens": block - 1 + v.dims.DRAFT_OFFSET, "fixed": True}
     return None
 
 
@@ -161,12 +252,10 @@ def _write_speculators(drafter: BlockHead, ctx: ExportContext) -> tuple[pathlib.
     layer = {k: v for k, v in native.items() if k not in _BLOCK_KEYS}
     fields = {"draft_vocab_size": d.draft_vocab_size, "target_hidden_size": d.hidden_size, "mask_token_id": d.mask_token_id,
               "aux_hidden_state_layer_ids": list(d.target_layers), "block_size": d.block_size,
-              "sample_from_anchor": kind == "dspark", "sliding_window_non_causal": True}
-    if kind == "dspark":
-        fields.update(markov_rank=d.markov_rank, markov_head_type="vanilla", enable_confidence_head=d.confidence_head,
-                      confidence_head_with_markov=True)
+              "sample_from_anchor": bool(d.DRAFT_OFFSET), "sliding_window_non_causal": True,
+              **variant(d).head_fields(d)}
     config = speculators_config(kind, layer, fields, d.drafts_per_block, ctx.target_path, record.target.architecture)
-    card = model_card(engine="speculators", engine_name="vLLM (speculators format)", title=TITLES[kind],
+    card = model_card(engine="speculators", engine_name="vLLM (speculators format)", title=variant(d).title,
                       target=record.target.to_dict(), folder=str(ctx.out), run_config=record.run_config,
                       evaluation=record.evaluation, details=[f"block of {d.block_size} slots, {d.drafts_per_block} "
                                                              f"drafted tokens per forward",
@@ -174,11 +263,6 @@ def _write_speculators(drafter: BlockHead, ctx: ExportContext) -> tuple[pathlib.
                       command=serve_command(str(ctx.out)), acceptance=ctx.acceptance)
     folder = write_folder(ctx.out, WEIGHTS, vllm_tensors(drafter), config, extra_files={"README.md": card})
     return folder, f"wrote the {kind} drafter in the speculators format to {folder} (`vllm serve {folder}` serves it)"
-
-
-SGLANG_ALGORITHMS = {"dflash": "DFLASH", "dspark": "DSPARK"}
-SGLANG_REDUCED_VOCAB_COMMIT = "67d00001"
-"""The first sgl-project/sglang commit read whose DSpark loads a reduced draft vocabulary."""
 
 
 def sglang_config(drafter: BlockHead, num_target_layers: int) -> dict[str, Any]:
@@ -191,34 +275,21 @@ def sglang_config(drafter: BlockHead, num_target_layers: int) -> dict[str, Any]:
 
 
 def check_sglang(drafter: BlockHead) -> None:
-    """Refuse what SGLang would serve wrongly: a DFlash drafter with its own (reduced-vocabulary) head."""
-    d = drafter.dims
-    if d.KIND_FIELD == "dflash" and drafter.own_head:
-        raise SelfdraftError(
-            f"SGLang drafts DFlash through the target's own LM head (its loader keeps no lm_head and drops it "
-            f"silently), and this drafter drafts over a reduced vocabulary of {d.draft_vocab_size} tokens with its "
-            f"own head. Train with drafter.block.draft_vocab_size={d.vocab_size} (the target's vocabulary) to serve "
-            f"DFlash in SGLang, or export --format vllm (vLLM reads the reduced vocabulary)")
+    """Refuse what SGLang would serve wrongly (a DFlash drafter with its own reduced-vocabulary head)."""
+    variant(drafter.dims).check_sglang(drafter)
 
 
 def _write_sglang(drafter: BlockHead, ctx: ExportContext) -> tuple[pathlib.Path, str]:
     record, kind, d = ctx.record, drafter.dims.KIND_FIELD, drafter.dims
     check_sglang(drafter)
-    verified = d.block_size + (1 if kind == "dspark" else 0)  # the anchor and the drafts
-    command = sglang_block_command(ctx.target_path, str(ctx.out), SGLANG_ALGORITHMS[kind], verified)
+    verified = d.drafts_per_block + 1  # the anchor and the drafts
+    command = sglang_block_command(ctx.target_path, str(ctx.out), variant(d).sglang_algorithm, verified)
     details = _card_details(drafter, f"draft vocabulary {d.draft_vocab_size} of {d.vocab_size} tokens"
                             if drafter.own_head else "drafts through the target's LM head")
     notes = [f"`--speculative-num-draft-tokens` is the tokens verified per step: the anchor and the "
-             f"{d.drafts_per_block} drafts of one block. SGLang serves {TITLES[kind]} on CUDA (or NPU) only.", ""]
-    if kind == "dspark":
-        if drafter.own_head:
-            notes += [f"The reduced draft vocabulary needs SGLang at or after commit {SGLANG_REDUCED_VOCAB_COMMIT} "
-                      "(`draft_vocab_size`, `lm_head`, `d2t`); earlier versions skip `lm_head` and draft through the "
-                      "target's head: still exact, but accepting next to nothing.", ""]
-        if d.confidence_head:
-            notes += ["SGLang sizes each step's verification from the confidence head only in its ragged verify "
-                      "modes (`SGLANG_RAGGED_VERIFY_MODE` other than `static`, the default).", ""]
-    card = model_card(engine="sglang", engine_name="SGLang", title=TITLES[kind], target=record.target.to_dict(),
+             f"{d.drafts_per_block} drafts of one block. SGLang serves {variant(d).title} on CUDA (or NPU) only.", "",
+             *variant(d).sglang_notes(drafter)]
+    card = model_card(engine="sglang", engine_name="SGLang", title=variant(d).title, target=record.target.to_dict(),
                       folder=str(ctx.out), run_config=record.run_config, evaluation=record.evaluation, details=details,
                       command=command, acceptance=ctx.acceptance, notes=notes)
     folder = write_folder(ctx.out, WEIGHTS, vllm_tensors(drafter), sglang_config(drafter, record.target.num_layers),
@@ -236,31 +307,24 @@ def read_vllm(folder: pathlib.Path, target) -> tuple[BlockHead, dict]:
     """A DFlash or DSpark folder in vLLM's layout (ours, z-lab's, DeepSpec's) for ``target``."""
     config, tensors = read_folder(folder, WEIGHTS)
     if "speculators_config" in config:  # the speculators layout: the draft's config inside, vLLM's aux ids
-        kind = config["speculators_model_type"]
+        v = next(v for v in VARIANTS if v.dims.KIND_FIELD == config["speculators_model_type"])
         config = {**config["transformer_layer_config"], **config,
                   "target_layer_ids": [i - 1 for i in config["aux_hidden_state_layer_ids"]]}
     else:
         arch = (config.get("architectures") or [None])[0]
-        kind = next(k for k, a in ARCHITECTURES.items() if a == arch)
+        v = next(v for v in VARIANTS if v.architecture == arch)
     dflash = config.get("dflash_config") or {}
     text = target.model.config.get_text_config()
     mask = config.get("mask_token_id", dflash.get("mask_token_id"))
     layer_ids = config.get("target_layer_ids", dflash.get("target_layer_ids"))
     if mask is None or layer_ids is None:
-        raise SelfdraftError(f"{folder}: a {TITLES[kind]} folder needs mask_token_id and target_layer_ids")
-    extra = {}
-    if kind == "dspark":
-        if "markov_head.markov_w1.weight" not in tensors:
-            raise SelfdraftError(f"{folder}: a DSpark folder without its Markov head weights (markov_head.*)")
-        extra = {"markov_rank": int(config["markov_rank"]), "confidence_head": bool(config.get("enable_confidence_head"))}
-        if extra["confidence_head"] and "confidence_head.proj.weight" not in tensors:
-            raise SelfdraftError(f"{folder}: enable_confidence_head is set but confidence_head.proj.* is missing")
+        raise SelfdraftError(f"{folder}: a {v.title} folder needs mask_token_id and target_layer_ids")
+    extra = v.read_heads(folder, config, tensors)
     if int(config.get("hidden_size", -1)) != text.hidden_size or int(config.get("vocab_size", text.vocab_size)) != text.vocab_size:
-        raise SelfdraftError(f"{folder} is a {TITLES[kind]} drafter for hidden size {config.get('hidden_size')} and vocabulary "
+        raise SelfdraftError(f"{folder} is a {v.title} drafter for hidden size {config.get('hidden_size')} and vocabulary "
                              f"{config.get('vocab_size')}; the target has {text.hidden_size} and {text.vocab_size}")
     rope = config.get("rope_parameters") or {}
-    dims_class = DSparkDims if kind == "dspark" else DFlashDims
-    dims = dims_class(
+    dims = v.dims(
         vocab_size=text.vocab_size, draft_vocab_size=int(config.get("draft_vocab_size") or text.vocab_size),
         hidden_size=int(config["hidden_size"]), num_layers=int(config["num_hidden_layers"]),
         num_heads=int(config["num_attention_heads"]), num_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
@@ -268,7 +332,7 @@ def read_vllm(folder: pathlib.Path, target) -> tuple[BlockHead, dict]:
         intermediate_size=int(config["intermediate_size"]), rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta") or config.get("rope_theta") or 1e6),
         max_position_embeddings=int(config.get("max_position_embeddings", text.max_position_embeddings)),
-        block_size=int(config.get("block_size", 16 if kind == "dflash" else 7)), mask_token_id=int(mask),
+        block_size=int(config.get("block_size", v.default_block_size)), mask_token_id=int(mask),
         target_layers=tuple(int(i) + 1 for i in layer_ids), **extra)
     module = BlockHead(dims)
     state = {k: v for k, v in tensors.items() if not k.startswith(("embed_tokens.", "t2d"))}
@@ -276,15 +340,17 @@ def read_vllm(folder: pathlib.Path, target) -> tuple[BlockHead, dict]:
         state.pop("lm_head.weight")  # the target's own head, shipped as a copy
     if "d2t" not in state:
         state["d2t"] = module.d2t
-    load_strict(module, state, f"{folder} is not a complete {TITLES[kind]} drafter in vLLM's layout")
+    load_strict(module, state, f"{folder} is not a complete {v.title} drafter in vLLM's layout")
     return module, {"tree": {"depth": dims.drafts_per_block}}
 
 
 def reader(kind: str) -> EngineReader:
-    """The reader of ``kind`` (``dflash`` or ``dspark``) folders in vLLM's layout."""
+    """The reader of ``kind``'s folders in vLLM's layout (and the speculators layout)."""
+    v = next(v for v in VARIANTS if v.dims.KIND_FIELD == kind)
+
     def detect(folder: pathlib.Path, config: dict) -> bool:
         if "speculators_config" in config:
             return config.get("speculators_model_type") == kind
-        return (config.get("architectures") or [None])[0] == ARCHITECTURES[kind]
+        return (config.get("architectures") or [None])[0] == v.architecture
 
-    return EngineReader(f"{TITLES[kind]} in vLLM's layout", detect, read_vllm)
+    return EngineReader(f"{v.title} in vLLM's layout", detect, read_vllm)
