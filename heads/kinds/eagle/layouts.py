@@ -69,55 +69,91 @@ ENGINES = ("vllm", "sglang", "eagle-reference")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "eagle-reference": "the reference EAGLE code (SafeAILab/EAGLE)"}
 EXPORTED_BY = {"vllm": "vllm", "sglang": "sglang", "eagle-reference": "eagle"}
 """``exported_by.engine`` in config.json (what folders have always carried; the reader keys on it)."""
-ARCHITECTURES = {
-    "vllm": {"eagle": "EagleLlamaForCausalLM", "eagle3": "LlamaForCausalLMEagle3"},
-    "sglang": {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"},
-    "eagle-reference": {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"},
-}
-EAGLE3_ARCHITECTURES = {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"}
-EAGLE1_ARCHITECTURES = {"LlamaForCausalLMEagle", "EagleLlamaForCausalLM"}
-TARGET_FAMILIES = {
-    # target architecture -> the drafter kinds each engine serves for it (its target-side capture)
-    "LlamaForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle-reference": ("eagle", "eagle3")},
-    "MistralForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle-reference": ()},
-    "Qwen2ForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle-reference": ("eagle",)},
-    "Qwen3ForCausalLM": {"vllm": ("eagle", "eagle3"), "sglang": ("eagle", "eagle3"), "eagle-reference": ("eagle", "eagle3")},
-}
+_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _LLAMA_LAYER = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                 "post_attention_layernorm.weight"}
 FIX = "train it with drafter.eagle.layer=llama (the default), which every engine loads"
 
 
-# ----------------------------------------------------------------------------------------------
-# Checks: what each engine can load
+class Eagle1Layout:
+    """What the engines' layouts say of an EAGLE-1 drafter; :class:`Eagle3Layout` says where EAGLE-3
+    differs. The checks, writers and reader below are shared and ask the drafter's variant, never its
+    kind's name."""
+
+    head = Eagle1Head
+    dims = Eagle1Dims
+    title = "EAGLE-1"
+    architectures = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle",
+                     "eagle-reference": "LlamaForCausalLMEagle"}
+    known_architectures = frozenset({"LlamaForCausalLMEagle", "EagleLlamaForCausalLM"})
+    """Every architecture name an EAGLE-1 folder goes by (ours, the engines', published ones)."""
+    served = {"vllm": _FAMILIES, "sglang": _FAMILIES,
+              "eagle-reference": ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")}
+    """engine -> the target architectures whose features it captures for this kind."""
+    sglang_algorithm = "EAGLE"
+    layer_prefix = "layers.0."
+    """Where the draft layer's tensors live in the engines' layouts."""
+    layer_tensors = frozenset(_LLAMA_LAYER)
+    fc_width = 2
+    """The fc's input width, in hidden sizes."""
+
+    @property
+    def name(self) -> str:
+        return self.dims.KIND_FIELD
+
+    def served_problem(self, engine: str, target: TargetIdentity) -> str | None:
+        """Why ``engine`` does not capture this kind's features from ``target``, or None."""
+        if target.architecture in self.served[engine]:
+            return None
+        return (f"{ENGINE_NAMES[engine]} serves {self.name} drafters for {', '.join(self.served[engine])} targets, "
+                f"not {target.architecture}")
+
+    def problems(self, drafter, engine: str, target: TargetIdentity) -> list[str]:
+        """Why ``engine`` cannot serve this drafter as trained, beyond its target and its draft layer's class."""
+        problems = []
+        if engine == "vllm" and drafter.fc.bias is not None and bool(drafter.fc.bias.any()):
+            problems.append("its fc has a bias (an imported SGLang/reference EAGLE-1 drafter); vLLM's EAGLE-1 fc has none: "
+                            "serve it with SGLang or the reference code")
+        return problems
+
+    def layout(self, drafter, engine: str, config: dict) -> dict[str, torch.Tensor]:
+        """The tensors of ``engine``'s layout; adds this kind's keys to ``config``."""
+        return _eagle1_tensors(drafter, fc_bias=engine != "vllm")
+
+    def build(self, folder: pathlib.Path, config: dict, tensors: dict, text, layer: dict):
+        """A fresh drafter for the folder's config and tensors (``tensors`` completed in place)."""
+        return Eagle1Head(Eagle1Dims(vocab_size=int(text.vocab_size), layer_config=layer, fc_bias="fc.bias" in tensors))
+
+    def names(self, drafter) -> dict[str, str]:
+        """The engines' tensor names -> the drafter's own."""
+        ours = {self.layer_prefix + k[len("layer."):]: k for k in drafter.state_dict() if k.startswith("layer.")}
+        ours.update({k: k for k in drafter.state_dict() if not k.startswith("layer.") and k != "hidden_norm.weight"})
+        return ours
 
 
-def engine_problems(drafter: EagleHead, engine: str, target: TargetIdentity) -> list[str]:
-    """Why ``engine`` cannot load ``drafter`` (trained for ``target``) as trained; empty: it can."""
-    if engine not in ENGINES:
-        raise SelfdraftError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
-    name, cfg, kind = ENGINE_NAMES[engine], drafter.layer_config, drafter.dims.KIND_FIELD
-    problems = []
-    served = TARGET_FAMILIES.get(target.architecture, {}).get(engine, ())
-    if engine == "vllm" and kind == "eagle3":  # vLLM captures EAGLE-3's features from every SupportsEagle3 model
-        capture = vllm_capture_problem(target.architecture, "EAGLE-3")
-        if capture:
-            problems.append(capture)
-    elif kind not in served:
-        families = ", ".join(a for a, e in TARGET_FAMILIES.items() if kind in e[engine])
-        problems.append(f"{name} serves {kind} drafters for {families} targets, not {target.architecture}")
-    layer = {k.removeprefix("layer."): v for k, v in drafter.state_dict().items() if k.startswith("layer.")}
-    expected = _LLAMA_LAYER | ({"input_layernorm.weight"} if kind == "eagle3" else set())
-    if set(layer) != expected or cfg.model_type not in ("llama", "mistral") or cfg.hidden_act != "silu":
-        extra = sorted(set(layer) - expected)
-        problems.append(f"its draft layer is a {cfg.model_type} layer ({cfg.hidden_act}"
-                        f"{', with ' + ', '.join(extra) if extra else ''}); {name} builds a Llama layer "
-                        f"(SiLU, no biases, no q/k norms) and would drop or misread the rest: {FIX}")
-    if kind == "eagle" and engine == "vllm" and drafter.fc.bias is not None and bool(drafter.fc.bias.any()):
-        problems.append("its fc has a bias (an imported SGLang/reference EAGLE-1 drafter); vLLM's EAGLE-1 fc has none: "
-                        "serve it with SGLang or the reference code")
-    if kind == "eagle3":
+class Eagle3Layout(Eagle1Layout):
+    """EAGLE-3: fused features of several target layers, its own draft vocabulary, ``midlayer.``."""
+
+    head = Eagle3Head
+    dims = Eagle3Dims
+    title = "EAGLE-3"
+    architectures = {"vllm": "LlamaForCausalLMEagle3", "sglang": "LlamaForCausalLMEagle3",
+                     "eagle-reference": "LlamaForCausalLMEagle3"}
+    known_architectures = frozenset({"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"})
+    served = {"vllm": _FAMILIES, "sglang": _FAMILIES, "eagle-reference": ("LlamaForCausalLM", "Qwen3ForCausalLM")}
+    sglang_algorithm = "EAGLE3"
+    layer_prefix = "midlayer."
+    layer_tensors = frozenset(_LLAMA_LAYER | {"input_layernorm.weight"})
+    fc_width = 3
+
+    def served_problem(self, engine: str, target: TargetIdentity) -> str | None:
+        if engine == "vllm":  # vLLM captures EAGLE-3's features from every SupportsEagle3 model
+            return vllm_capture_problem(target.architecture, "EAGLE-3") or None
+        return super().served_problem(engine, target)
+
+    def problems(self, drafter, engine: str, target: TargetIdentity) -> list[str]:
+        problems = []
         aux = list(drafter.aux_layers)
         if len(set(aux)) != len(aux):
             problems.append(f"its aux layers {aux} repeat a layer; engines capture each layer once")
@@ -132,6 +168,69 @@ def engine_problems(drafter: EagleHead, engine: str, target: TargetIdentity) -> 
         ids = drafter.draft_to_target()
         if bool((ids < 0).any()) or bool((ids >= drafter.vocab_size).any()) or len(set(ids.tolist())) != len(ids):
             problems.append("its d2t map does not name distinct target tokens")
+        return problems
+
+    def layout(self, drafter, engine: str, config: dict) -> dict[str, torch.Tensor]:
+        aux = list(drafter.aux_layers)
+        order = sorted(range(len(aux)), key=lambda i: aux[i])  # engines concatenate in ascending layer order
+        tensors = _eagle3_tensors(drafter, order)
+        config.update({"draft_vocab_size": drafter.draft_vocab_size, "target_hidden_size": drafter.hidden_size})
+        ascending = [aux[i] for i in order]
+        if engine == "vllm":
+            config["eagle_aux_hidden_state_layer_ids"] = ascending
+            config["eagle_config"] = {"use_aux_hidden_state": True}
+            if drafter.draft_vocab_size == drafter.vocab_size:  # vLLM builds no d2t then (and refuses one)
+                tensors.pop("d2t")
+                tensors.pop("t2d")
+        else:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ascending],
+                                      "use_aux_hidden_state": True}
+        return tensors
+
+    def build(self, folder: pathlib.Path, config: dict, tensors: dict, text, layer: dict):
+        aux, _ = folder_aux_layers(config, text.num_hidden_layers)
+        if "lm_head.weight" not in tensors:
+            raise SelfdraftError(f"{folder}: no lm_head.weight (a tied or target-head EAGLE-3 config is not supported)")
+        draft_vocab = int(config.get("draft_vocab_size") or tensors["lm_head.weight"].shape[0])
+        if "d2t" not in tensors:  # no map: draft ids are target ids
+            tensors["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
+        ids = tensors["d2t"].long() + torch.arange(len(tensors["d2t"]))
+        tensors["t2d"] = torch.zeros(text.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+        tensors["d2t"] = tensors["d2t"].long()
+        return Eagle3Head(Eagle3Dims(vocab_size=int(text.vocab_size), layer_config=layer, aux_layers=aux,
+                                     draft_vocab_size=draft_vocab))
+
+    def names(self, drafter) -> dict[str, str]:
+        return {"midlayer.hidden_norm.weight": "hidden_norm.weight", **super().names(drafter)}
+
+
+VARIANTS = (Eagle1Layout(), Eagle3Layout())
+EAGLE1_LAYOUT, EAGLE3_LAYOUT = VARIANTS
+
+
+def variant(drafter) -> Eagle1Layout:
+    """The layout variant of an EAGLE drafter."""
+    return next(v for v in VARIANTS if isinstance(drafter, v.head))
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks: what each engine can load
+
+
+def engine_problems(drafter: EagleHead, engine: str, target: TargetIdentity) -> list[str]:
+    """Why ``engine`` cannot load ``drafter`` (trained for ``target``) as trained; empty: it can."""
+    if engine not in ENGINES:
+        raise SelfdraftError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    name, cfg, layout = ENGINE_NAMES[engine], drafter.layer_config, variant(drafter)
+    problems = [p for p in [layout.served_problem(engine, target)] if p]
+    layer = {k.removeprefix("layer."): v for k, v in drafter.state_dict().items() if k.startswith("layer.")}
+    expected = layout.layer_tensors
+    if set(layer) != expected or cfg.model_type not in ("llama", "mistral") or cfg.hidden_act != "silu":
+        extra = sorted(set(layer) - expected)
+        problems.append(f"its draft layer is a {cfg.model_type} layer ({cfg.hidden_act}"
+                        f"{', with ' + ', '.join(extra) if extra else ''}); {name} builds a Llama layer "
+                        f"(SiLU, no biases, no q/k norms) and would drop or misread the rest: {FIX}")
+    problems += layout.problems(drafter, engine, target)
     if engine == "eagle-reference":
         heads = cfg.num_attention_heads
         if getattr(cfg, "head_dim", None) not in (None, cfg.hidden_size // heads) or cfg.hidden_size % heads:
@@ -232,27 +331,11 @@ def engine_layout(drafter: EagleHead, engine: str, embed_weight: torch.Tensor | 
                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, tensors) of ``drafter`` for ``engine``; see the module docstring. ``embed_weight``
     (V, H), the target's input embedding, is needed for ``eagle`` only."""
-    kind = drafter.dims.KIND_FIELD
-    config = _llama_config(drafter, ARCHITECTURES[engine][kind])
+    v = variant(drafter)
+    config = _llama_config(drafter, v.architectures[engine])
     config["exported_by"] = {"tool": "selfdraft", "engine": EXPORTED_BY[engine], "aux_layer_convention": "hidden_states index"
                              if engine == "vllm" else "output of layer i (hidden_states index - 1)"}
-    if kind == "eagle3":
-        aux = list(drafter.aux_layers)
-        order = sorted(range(len(aux)), key=lambda i: aux[i])  # engines concatenate in ascending layer order
-        tensors = _eagle3_tensors(drafter, order)
-        config.update({"draft_vocab_size": drafter.draft_vocab_size, "target_hidden_size": drafter.hidden_size})
-        ascending = [aux[i] for i in order]
-        if engine == "vllm":
-            config["eagle_aux_hidden_state_layer_ids"] = ascending
-            config["eagle_config"] = {"use_aux_hidden_state": True}
-            if drafter.draft_vocab_size == drafter.vocab_size:  # vLLM builds no d2t then (and refuses one)
-                tensors.pop("d2t")
-                tensors.pop("t2d")
-        else:
-            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ascending],
-                                      "use_aux_hidden_state": True}
-    else:
-        tensors = _eagle1_tensors(drafter, fc_bias=engine != "vllm")
+    tensors = v.layout(drafter, engine, config)
     if engine == "eagle-reference":
         if embed_weight is None:
             raise SelfdraftError("the reference EAGLE layout carries the target's embedding: pass the target")
@@ -275,22 +358,21 @@ def export_eagle(drafter: EagleHead, folder: str | os.PathLike, engine: str, tar
 # The reader
 
 
-def _kind_of(folder: pathlib.Path, config: dict) -> str | None:
-    """``eagle``, ``eagle3`` or None: from the architecture, or for the published reference EAGLE-1
+def _kind_of(folder: pathlib.Path, config: dict) -> Eagle1Layout | None:
+    """The folder's variant, or None: from the architecture, or for the published reference EAGLE-1
     folders (``LlamaForCausalLM``, one layer, an ``fc`` in the weights) from the tensors."""
-    if "speculators_config" in config:
-        return "eagle3" if config.get("speculators_model_type") == "eagle3" else None
+    if "speculators_config" in config:  # the speculators format carries EAGLE-3 only
+        return EAGLE3_LAYOUT if config.get("speculators_model_type") == EAGLE3_LAYOUT.name else None
     arch = (config.get("architectures") or [""])[0]
-    if arch in EAGLE3_ARCHITECTURES:
-        return "eagle3"
-    if arch in EAGLE1_ARCHITECTURES:
-        return "eagle"
+    found = next((v for v in VARIANTS if arch in v.known_architectures), None)
+    if found is not None:
+        return found
     if arch == "LlamaForCausalLM" and config.get("num_hidden_layers") == 1 and (folder / WEIGHTS).is_file():
         from safetensors import SafetensorError, safe_open
 
         try:
             with safe_open(str(folder / WEIGHTS), "pt") as f:
-                return "eagle" if "fc.weight" in f.keys() and "lm_head.weight" not in f.keys() else None
+                return EAGLE1_LAYOUT if "fc.weight" in f.keys() and "lm_head.weight" not in f.keys() else None
         except (SafetensorError, OSError, ValueError):  # not a readable safetensors file: not a drafter we recognise
             return None
     return None
@@ -353,12 +435,13 @@ def import_eagle(folder: str | os.PathLike, target_model) -> EagleHead:
                              f"Convert it to {WEIGHTS} in a trusted environment first")
     config, tensors = read_folder(folder, WEIGHTS)
     if "speculators_config" in config:  # the speculators layout: the layer's config inside, vLLM's aux ids on top
-        config = {**config["transformer_layer_config"], **config, "architectures": [sorted(EAGLE3_ARCHITECTURES)[0]]}
+        config = {**config["transformer_layer_config"], **config,
+                  "architectures": [sorted(EAGLE3_LAYOUT.known_architectures)[0]]}
     arch = (config.get("architectures") or [""])[0]
-    kind = _kind_of(folder, config)
-    if kind is None:
+    layout = _kind_of(folder, config)
+    if layout is None:
         raise SelfdraftError(f"{folder}: architecture {arch!r} is not an EAGLE layout "
-                             f"({', '.join(sorted(EAGLE1_ARCHITECTURES | EAGLE3_ARCHITECTURES))}, or a one-layer "
+                             f"({', '.join(sorted(v for layout in VARIANTS for v in layout.known_architectures))}, or a one-layer "
                              "LlamaForCausalLM with an fc: the reference EAGLE-1 checkpoints)")
     text = target_model.config.get_text_config()
     for key in ("hidden_size", "vocab_size"):
@@ -368,39 +451,20 @@ def import_eagle(folder: str | os.PathLike, target_model) -> EagleHead:
         raise SelfdraftError(f"{folder} fuses target features of width {config['target_hidden_size']}; the target has {text.hidden_size}")
     tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
     tensors = {k: v for k, v in tensors.items() if not k.startswith("embed_tokens.")}  # the target's is used
-    prefix = "midlayer." if kind == "eagle3" else "layers.0."
-    if kind == "eagle":
-        tensors.pop("layers.0.input_layernorm.weight", None)  # engines build no input norm on layer 0
+    prefix = layout.layer_prefix
+    if "input_layernorm.weight" not in layout.layer_tensors:  # EAGLE-1: engines build no input norm on layer 0
+        tensors.pop(prefix + "input_layernorm.weight", None)
     norms = sorted(k for k in tensors if k.startswith(prefix) and ("q_norm" in k or "k_norm" in k))
     if norms:
         raise SelfdraftError(f"{folder}: {norms[0]} is not part of a Llama draft layer, which every engine builds")
-    width = 2 if kind == "eagle" else 3
+    width = layout.fc_width
     fc = tensors.get("fc.weight")
     if fc is None or tuple(fc.shape) != (text.hidden_size, width * text.hidden_size):
         raise SelfdraftError(f"{folder}: fc.weight is {None if fc is None else tuple(fc.shape)}, expected "
                              f"{(text.hidden_size, width * text.hidden_size)} for this target")
     layer = _folder_layer_config(config, tensors, prefix)
-    if kind == "eagle3":
-        aux, _ = folder_aux_layers(config, text.num_hidden_layers)
-        if "lm_head.weight" not in tensors:
-            raise SelfdraftError(f"{folder}: no lm_head.weight (a tied or target-head EAGLE-3 config is not supported)")
-        draft_vocab = int(config.get("draft_vocab_size") or tensors["lm_head.weight"].shape[0])
-        if "d2t" not in tensors:  # no map: draft ids are target ids
-            tensors["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
-        ids = tensors["d2t"].long() + torch.arange(len(tensors["d2t"]))
-        tensors["t2d"] = torch.zeros(text.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
-        tensors["d2t"] = tensors["d2t"].long()
-        drafter = Eagle3Head(Eagle3Dims(vocab_size=int(text.vocab_size), layer_config=layer, aux_layers=aux,
-                                           draft_vocab_size=draft_vocab))
-    else:
-        drafter = Eagle1Head(Eagle1Dims(vocab_size=int(text.vocab_size), layer_config=layer,
-                                           fc_bias="fc.bias" in tensors))
-    if kind == "eagle3":
-        ours = {"midlayer.hidden_norm.weight": "hidden_norm.weight"}
-        ours.update({"midlayer." + k[len("layer."):]: k for k in drafter.state_dict() if k.startswith("layer.")})
-    else:
-        ours = {"layers.0." + k[len("layer."):]: k for k in drafter.state_dict() if k.startswith("layer.")}
-    ours.update({k: k for k in drafter.state_dict() if not k.startswith("layer.") and k != "hidden_norm.weight"})
+    drafter = layout.build(folder, config, tensors, text, layer)
+    ours = layout.names(drafter)
     if layer["attention_bias"]:  # q/k/v biases without an o_proj bias: the engines' zeros
         o_bias = f"{prefix}self_attn.o_proj.bias"
         tensors.setdefault(o_bias, torch.zeros(text.hidden_size, dtype=fc.dtype))
@@ -416,18 +480,18 @@ def import_eagle(folder: str | os.PathLike, target_model) -> EagleHead:
 # The registry's view: one writer per engine, one reader per kind
 
 
-def reference_command(target: str, folder: str, kind: str, depth: int, top_k: int, nodes: int) -> str:
+def reference_command(target: str, folder: str, eagle3: bool, depth: int, top_k: int, nodes: int) -> str:
     """Python lines that load ``folder`` with the reference EAGLE code: its depth counts drafter forwards
     after the first, and total_token includes the root."""
     return ("from eagle.model.ea_model import EaModel\n"
             f"model = EaModel.from_pretrained(base_model_path={target!r}, ea_model_path={folder!r},\n"
             f"                                total_token={nodes + 1}, depth={max(depth - 1, 1)}, top_k={top_k}, "
-            f"use_eagle3={kind == 'eagle3'})")
+            f"use_eagle3={eagle3})")
 
 
 def _writer(engine: str) -> EngineWriter:
     def write(drafter: EagleHead, ctx: ExportContext) -> tuple[pathlib.Path, str]:
-        record, kind = ctx.record, drafter.dims.KIND_FIELD
+        record, kind, layout = ctx.record, drafter.dims.KIND_FIELD, variant(drafter)
         check_exportable(drafter, engine, record.target)  # before loading a target for nothing
         embed = None
         if engine == "eagle-reference":
@@ -441,11 +505,12 @@ def _writer(engine: str) -> EngineWriter:
         if engine == "vllm":
             command = vllm_command(ctx.target_path, folder, kind, tree["depth"])
         elif engine == "sglang":
-            command = sglang_command(ctx.target_path, folder, "EAGLE3" if kind == "eagle3" else "EAGLE",
+            command = sglang_command(ctx.target_path, folder, layout.sglang_algorithm,
                                      tree["depth"], tree["top_k"], tree["max_nodes"])
         else:
-            command = reference_command(ctx.target_path, folder, kind, tree["depth"], tree["top_k"], tree["max_nodes"])
-        card = model_card(engine=engine, engine_name=ENGINE_NAMES[engine], title={"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}[kind],
+            command = reference_command(ctx.target_path, folder, layout is EAGLE3_LAYOUT, tree["depth"], tree["top_k"],
+                                        tree["max_nodes"])
+        card = model_card(engine=engine, engine_name=ENGINE_NAMES[engine], title=layout.title,
                           target=record.target.to_dict(), folder=folder, run_config=record.run_config,
                           evaluation=record.evaluation, details=details, command=command, acceptance=ctx.acceptance,
                           python=engine == "eagle-reference")
@@ -454,8 +519,8 @@ def _writer(engine: str) -> EngineWriter:
 
     def served_as(config: dict) -> dict | None:
         arch = (config.get("architectures") or [None])[0]
-        method = "eagle3" if arch in EAGLE3_ARCHITECTURES else "eagle" if arch in EAGLE1_ARCHITECTURES else None
-        return None if method is None else {"method": method, "num_speculative_tokens": 3, "fixed": False}
+        found = next((v for v in VARIANTS if arch in v.known_architectures), None)  # vLLM's methods are the kinds'
+        return None if found is None else {"method": found.name, "num_speculative_tokens": 3, "fixed": False}
 
     return EngineWriter(engine, ENGINE_NAMES[engine], write, served_as=served_as)
 
@@ -492,9 +557,10 @@ def writers(speculators: bool = False) -> tuple[EngineWriter, ...]:
 
 
 def reader(kind: str) -> EngineReader:
-    """The reader of ``kind`` (``eagle`` or ``eagle3``) folders in any engine's layout."""
+    """The reader of ``kind``'s folders in any engine's layout."""
     def detect(folder: pathlib.Path, config: dict) -> bool:
-        return _kind_of(folder, config) == kind
+        found = _kind_of(folder, config)
+        return found is not None and found.name == kind
 
     def read(folder: pathlib.Path, target) -> tuple[EagleHead, dict]:
         return import_eagle(folder, target.model), {}
