@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from selfdraft.configs.decode import TreeConfig
-from selfdraft.configs.schema import DataConfig, apply_overrides, from_dict, load_yaml, to_dict
+from selfdraft.configs.schema import DataConfig, apply_overrides, check_keys, from_dict, load_yaml, to_dict
 from selfdraft.errors import SelfdraftError
 
 PRESET_DIR = pathlib.Path(__file__).resolve().parent
@@ -141,11 +141,7 @@ class DrafterConfig:
         """Build it from a mapping (how :func:`~selfdraft.configs.schema.from_dict` builds a section),
         each section by its own dataclass: an unknown key is named by its dotted path."""
         known = drafter_sections()
-        unknown = sorted(set(data) - {"kind", "tree", *known})
-        if unknown:
-            raise SelfdraftError(
-                f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(prefix + k for k in unknown)}; "
-                f"known keys here: {', '.join(prefix + k for k in sorted({'kind', 'tree', *known}))}")
+        check_keys(data, {"kind", "tree", *known}, prefix)
         kind = data.get("kind", default_kind())
         if not isinstance(kind, str):
             raise SelfdraftError(f"config {prefix}kind: expected str, got {kind!r}")

@@ -88,16 +88,20 @@ def _check_type(value: Any, kind: Any, name: str) -> Any:
     raise SelfdraftError(f"config {name}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
 
 
-def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
-    """Build dataclass ``cls`` from ``data``; unknown keys and mistyped values raise SelfdraftError."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - fields)
+def check_keys(data: dict, known, prefix: str = "") -> None:
+    """An unknown key of ``data`` is an error naming it, and the known ones, by their dotted names."""
+    unknown = sorted(set(data) - set(known))
     if unknown:
         raise SelfdraftError(
             f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(prefix + k for k in unknown)}; "
-            f"known keys here: {', '.join(prefix + k for k in sorted(fields))}"
+            f"known keys here: {', '.join(prefix + k for k in sorted(known))}"
         )
+
+
+def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``; unknown keys and mistyped values raise SelfdraftError."""
+    hints = typing.get_type_hints(cls)
+    check_keys(data, {f.name for f in dataclasses.fields(cls)}, prefix)
     values = {k: _check_type(v, hints[k], prefix + k) for k, v in data.items()}
     try:
         return cls(**values)

@@ -106,10 +106,12 @@ class BatchSession:
         start = width - torch.tensor(lengths, device=self.device)[:, None]  # (B, 1): each row's first slot
         real = slot[None, :] >= start  # (B, T)
         positions = (slot[None, :] - start).clamp(min=0)  # (B, T)
-        causal = slot[None, :] <= slot[:, None]  # (T, T): query j sees keys k <= j
-        visible = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
+        visible = None  # a batch of one: plain causal attention
+        if len(prompts) > 1:
+            causal = slot[None, :] <= slot[:, None]  # (T, T): query j sees keys k <= j
+            visible = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
         padded = None if min(lengths) == width else real.to(self.mask_dtype)
-        out = self._forward(ids, positions, None if len(prompts) == 1 else visible, 1, padding=padded)
+        out = self._forward(ids, positions, visible, 1, padding=padded)
         self.lengths, self.valid, self.positions = lengths, real, positions
         self.layers.start_recording(self.cache)
         return [StepOutput(logits=out.logits[i, -1:],

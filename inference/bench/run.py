@@ -165,11 +165,11 @@ def run_bench(
                     else f"{c.method.name} runs at temperature > 0 only"}
                    for t in temps for c in choices if not c.method.applies(t)]
         journal = Journal(out, _settings(target, choices, max_new_tokens, seed), fresh=fresh)
-        plan = [_Item(task, t, index, prompt, ids, _ids_digest(ids), active,
-                      journal.get(task, t, prompt.id, _ids_digest(ids), [c.label for c in active]))
+        plan = [_Item(task, t, index, prompt, ids, digest, active,
+                      journal.get(task, t, prompt.id, digest, [c.label for c in active]))
                 for task, items in encoded.items() for t in temps
                 for active in [[c for c in choices if c.method.applies(t)]]
-                for index, (prompt, ids) in enumerate(items)]
+                for index, (prompt, ids) in enumerate(items) for digest in [_ids_digest(ids)]]
         reused = sum(1 for item in plan if item.done is not None)
         if reused < len(plan):
             if reused:
