@@ -35,10 +35,22 @@ one of these, so a test's fixture closure names one of them exactly when the tes
 
 @pytest.hookimpl(tryfirst=True)  # before the `-m` selection, which then sees the marker
 def pytest_collection_modifyitems(config, items):
-    """Mark ``embedded`` every test whose fixtures (transitively) read the embedded package."""
+    """Mark ``embedded`` every test whose fixtures (transitively) read the embedded package, and ``gpu`` every
+    test that builds its models on ``test_device``; skip the GPU check (tests/gpu) unless it is selected."""
     for item in items:
         if EMBEDDED_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.embedded)
+        if item.path.parent.name == "gpu":  # the GPU check: only where it is selected
+            if not _gpu_check_selected():
+                item.add_marker(pytest.mark.skip(reason="the GPU check (tests/gpu) runs where SELFDRAFT_TEST_DEVICE names a "
+                                                        "CUDA device, or on the CPU with toy bodies with SELFDRAFT_GPU_SMOKE=1"))
+        elif "test_device" in getattr(item, "fixturenames", ()):  # the exactness suites: they run on any device
+            item.add_marker(pytest.mark.gpu)
+
+
+def _gpu_check_selected() -> bool:
+    device = os.environ.get("SELFDRAFT_TEST_DEVICE", "").strip()
+    return device.startswith("cuda") or os.environ.get("SELFDRAFT_GPU_SMOKE") == "1"
 
 
 @pytest.fixture(scope="session")

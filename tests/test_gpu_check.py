@@ -1,7 +1,8 @@
-"""The prepared GPU check (scripts/gpu_check.py) runs end to end here, on the CPU with toy bodies, with
-the packages the device machine lacks hidden (datasets, wandb, deepspeed, gguf), and its prediction
-combines a bench's acceptance lengths with the measured verify costs."""
+"""The GPU check (tests/gpu, ``-m gpu``) runs end to end here, on the CPU with toy bodies, in a pytest of its
+own with the packages the device machine lacks hidden (datasets, wandb, deepspeed, gguf), from the assets
+folder a device run carries; its report holds every section's figures."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -11,70 +12,62 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "gpu_check.py"
-pytestmark = pytest.mark.slow  # the smoke run: every section of the GPU check on the CPU, minutes
+GPU = REPO / "tests" / "gpu"
+pytestmark = pytest.mark.slow  # every test of the GPU check on the CPU: minutes
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory, embedded_fp32):
-    """One smoke run: --prepare from the converted SmolLM2 folder, then every section on the CPU."""
+    """One smoke run: the assets written as `scripts/gpu_check.sh prepare` writes them, then `pytest -m gpu
+    tests/gpu` with SELFDRAFT_GPU_SMOKE=1 and the blocker on PYTHONPATH."""
+    spec = importlib.util.spec_from_file_location("gpu_assets", GPU / "assets.py")
+    assets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(assets)
     root = tmp_path_factory.mktemp("gpu_check")
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    subprocess.run([sys.executable, str(SCRIPT), "--prepare", "--assets", str(root / "assets")], check=True, env=env,
-                   cwd=REPO, timeout=300)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--assets", str(root / "assets"),
-                           "--out", str(root / "out"), "--budget", "900"], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=1200)
+    assets.prepare(root / "assets")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SELFDRAFT_GPU_SMOKE="1", SELFDRAFT_GPU_ASSETS=str(root / "assets"),
+               SELFDRAFT_GPU_REPORT=str(root / "out" / "gpu_check.json"),
+               PYTHONPATH=os.pathsep.join([str(GPU / "blocker"), os.environ.get("PYTHONPATH", "")]))
+    env.pop("SELFDRAFT_TEST_DEVICE", None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", str(GPU)],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=1500)
     return root, proc
 
 
-def test_every_section_runs_without_the_packages_the_gpu_machine_lacks(smoke):
+def test_every_gpu_test_runs_without_the_packages_the_gpu_machine_lacks(smoke):
     root, proc = smoke
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    report = json.loads((root / "out" / "gpu_check.json").read_text())
-    sections = report["sections"]
-    assert {k for k, v in sections.items() if v["status"] == "ok"} == {
-        "environment", "exactness_fp32", "training_bf16", "training_bf16_128k_vocab", "verify_cost", "drafter_cost",
-        "verify_cost_batched", "bench", "pytest"}, {k: v.get("error") or v.get("reason") for k, v in sections.items()}
-    assert sections["exactness_fp32"]["all_exact"]
+    assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+    sections = json.loads((root / "out" / "gpu_check.json").read_text())["sections"]
+    assert set(sections) == {"environment", "exactness_fp32", "training_bf16", "training_bf16_128k_vocab", "cost_surface",
+                             "draft_cost", "bench", "prediction"}, set(sections)
+    assert sections["environment"]["tiny"] and sections["environment"]["cpu_flags"] is not None
     drafters = sections["exactness_fp32"]["drafters"]
-    assert set(drafters) >= {"none", "prompt-lookup", "eagle3-60-nodes", "medusa", "self-draft-tree", "dflash-block-8",
-                             "dspark-block-8"}
-    assert all(row["sampling_reproducible"] for row in drafters.values())
+    assert set(drafters) == {"none", "prompt-lookup", "eagle3-60-nodes", "eagle-cpu-tree", "medusa", "self-draft-tree",
+                             "dflash-block-8", "dspark-block-8"}
+    assert all(row["exact_prompts"] == "2/2" and row["sampling_reproducible"] for row in drafters.values()), drafters
+    assert set(sections["training_bf16"]) == {"eagle3", "medusa", "eagle", "dflash", "dspark"}
     for which in ("training_bf16", "training_bf16_128k_vocab"):
-        rows = next(v for k, v in sections[which].items() if isinstance(v, dict))
-        assert all(row["finite"] and row["tokens_per_second"] > 0 for row in rows.values()), rows
-    assert sections["training_bf16_128k_vocab"]["llama8b"]["eagle3"]["vocab"] == 128256
-    curve = sections["verify_cost"]["verify_ms"]
-    assert all(set(row) == {"1", "2", "4", "8", "16", "32", "64", "128"} for row in curve.values())
-    assert set(sections["drafter_cost"]["eagle3_propose"]) == {str(d) for d in range(1, 9)}
-    surface = sections["verify_cost_batched"]["verify_ms"]
-    assert set(surface) == {"1", "4"} and all(set(row) == {"1", "4"} and min(row.values()) > 0 for row in surface.values())
-    assert "tests collected" in sections["pytest"]["summary"], sections["pytest"]["tail"]
-    bench = json.loads((root / "out" / "bench" / "results.json").read_text())
-    assert all(row["exact"] for row in bench["rows"])
-    assert bench["meta"]["machine"]["cpu_flags"] is not None
+        assert all(row["finite"] and row["tokens_per_second"] > 0 for row in sections[which].values()), sections[which]
+    assert sections["training_bf16_128k_vocab"]["eagle3"]["vocab"] == 128256
+    surface = sections["cost_surface"]["surface"]
+    assert surface["batch_sizes"] == [1, 4] and surface["tokens"] == [1, 2, 4] and surface["target"] == "random-llama8b"
+    assert set(sections["draft_cost"]["eagle3_propose_ms"]) == {"1", "2", "3"}
+    assert all(row["exact"] for row in sections["bench"]["rows"])
 
 
-def test_prediction_combines_cpu_acceptance_with_gpu_costs(smoke):
+def test_the_prediction_reads_the_measured_costs_through_the_products_cost_model(smoke):
+    """Each predicted speed-up is tau * T(1, 1) / (T(1, 1 + nodes) + D) with T the measured surface read by
+    inference/costs.py's interpolation and D the EAGLE-3 proposal at the row's depth."""
+    from selfdraft.inference.costs import CostSurface
+
     root, _ = smoke
-    bench, gpu = root / "out" / "bench" / "results.json", root / "out" / "gpu_check.json"
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    rows = gpu_check.predict(bench, gpu)
-    methods = {row["method"] for row in rows}
-    assert "prompt-lookup" in methods and any("random-eagle3" in m for m in methods), methods
-    curve = json.loads(gpu.read_text())["sections"]["verify_cost"]["verify_ms"]
-    context = max(curve, key=int)
-    for row in rows:
-        want = row["tau"] * row["plain_ms"] / (row["verify_ms"] + row["draft_ms"])
-        assert abs(row["predicted_speedup"] - want) < 0.01 * want + 0.01
-        assert row["plain_ms"] == curve[context]["1"]["tree"]
-        assert (row["draft_ms"] > 0) == ("eagle" in row["method"])
-    out = subprocess.run([sys.executable, str(SCRIPT), "--predict", str(bench), "--gpu", str(gpu)], capture_output=True,
-                         text=True, cwd=REPO, timeout=120)
-    assert out.returncode == 0 and "predicted GPU speed-up" in out.stdout.splitlines()[0], out.stderr
-    assert len(out.stdout.strip().splitlines()) == 2 + len(rows)
+    sections = json.loads((root / "out" / "gpu_check.json").read_text())["sections"]
+    surface = CostSurface.from_dict(sections["cost_surface"]["surface"])
+    rows = sections["prediction"]["rows"]
+    assert {r["method"] for r in rows} >= {"prompt-lookup"} and any("random-eagle3" in r["method"] for r in rows), rows
+    for r in rows:
+        assert r["plain_ms"] == round(1e3 * surface(1, 1), 3)
+        want = r["tau"] * r["plain_ms"] / (r["verify_ms"] + r["draft_ms"])
+        assert abs(r["predicted_speedup"] - want) < 0.01 * want + 0.01, r
+        assert (r["draft_ms"] > 0) == ("eagle" in r["method"]), r

@@ -413,7 +413,7 @@ def _row(task: str, t: float, c: MethodChoice, tally: _Tally, base: _Tally) -> d
         "target_forwards": tally.forwards,
         "target_forwards_per_token": tally.forwards / tally.tokens if tally.forwards is not None and tally.tokens else None,
         # The mean tree the target verified per step (its batch is this + 1): with a GPU's verify-cost
-        # curve and the acceptance length it predicts the speed-up there (scripts/gpu_check.py --predict).
+        # curve and the acceptance length it predicts the speed-up there (tests/gpu, docs/gpu.md).
         "draft_nodes_per_step": tally.draft_nodes / (tally.forwards - tally.prompts)
         if tally.draft_nodes is not None and tally.forwards is not None and tally.forwards > tally.prompts else None,
         # The share of verification steps that ran the drafter (the drafting policy skips the rest).
