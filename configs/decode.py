@@ -7,12 +7,39 @@ that names the option.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from selfdraft.errors import SelfdraftError
 
+logger = logging.getLogger(__name__)
+
 POLICIES = ("auto", "adaptive", "cut", "fixed", "profile")
 """The drafting policies (inference/policy.py says what each does); ``auto`` is the default."""
+
+
+def legacy_policy(adaptive: str | None = None, schedule: str | None = None, speculation: str | None = None) -> str | None:
+    """The policy the options of the previous release (``adaptive``, ``schedule``, ``speculation``) mean,
+    with a warning that names it; None when none was given."""
+    if adaptive is None and schedule is None and speculation is None:
+        return None
+    for option, value, allowed in (("adaptive", adaptive, ("on", "off")), ("schedule", schedule, ("confidence", "off")),
+                                   ("speculation", speculation, ("auto", "off"))):
+        if value is not None and value not in allowed:
+            raise SelfdraftError(f"unknown {option} {value!r}; choose one of {', '.join(allowed)} (or better, a drafting "
+                                 f"policy: {', '.join(POLICIES)})")
+    if speculation == "off" or (adaptive == "off" and schedule == "off"):
+        name = "fixed"
+    elif adaptive == "off":
+        name = "cut"
+    else:
+        name = "auto"
+    given = ", ".join(f"{k}={v!r}" for k, v in (("adaptive", adaptive), ("schedule", schedule), ("speculation", speculation))
+                      if v is not None)
+    logger.warning("%s: these options are replaced by the drafting policy; this is policy=%r (--policy %s), which "
+                   "the next release will require", given, name, name)
+    return name
+
 
 
 @dataclass(frozen=True)
@@ -158,6 +185,11 @@ class TreeConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SelfdraftError(f"tree {name} must be an integer >= 1, got {value!r}")
 
+    @property
+    def most_nodes(self) -> int:
+        """The most nodes a dynamic tree of this shape holds: ``top_k`` at depth 1, ``top_k`` squared at each
+        further depth (the ``top_k`` expanded nodes' children), at most ``max_nodes``."""
+        return min(self.max_nodes, self.top_k + (self.depth - 1) * self.top_k ** 2)
 
 
 GPU_TREE = TreeConfig(depth=6, top_k=10, max_nodes=60)

@@ -89,7 +89,7 @@ PROFILE_FILE = "speculation_profile.json"
 def sglang_adaptive_config(entries) -> dict[str, dict]:
     """The schedule as SGLang's ``--speculative-adaptive-config`` JSON: a key where the length changes (the
     first at batch size 1), each pinned to its one length, which a batch carries up to the next key as
-    ``vllm_ranges`` (inference/speculation.py) does. ``entries``: schedule entries or their dicts (a profile's
+    ``vllm_ranges`` (inference/cost_report.py) does. ``entries``: schedule entries or their dicts (a profile's
     schedule). Read in sgl-project/sglang ``python/sglang/srt/speculative/adaptive_spec_params.py`` at
     015c872 and ``adaptive_step_router.py`` at a12239f: integer-string batch-size keys, each with
     ``candidate_steps``; a batch takes the largest key at or below its size, after CUDA-graph padding;

@@ -17,12 +17,12 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from selfdraft.configs.decode import DecodeConfig, PromptLookupConfig, TreeConfig
+from selfdraft.configs.decode import DecodeConfig, PromptLookupConfig, TreeConfig, legacy_policy
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.batch import BatchSession
 from selfdraft.inference.decode import speculative_decode
 from selfdraft.inference.drafters import Drafter
-from selfdraft.inference.policy import FIXED, legacy_policy, policy_for
+from selfdraft.inference.policy import FIXED, policy_for
 from selfdraft.inference.specs import make_drafter
 
 
@@ -207,7 +207,7 @@ def generate_batch(
     the drafter's own tree at every step. ``speculation`` is the previous release's option (an alias).
     """
     from selfdraft.inference.decode import batched_decode
-    from selfdraft.inference.costs import check_batch_fits
+    from selfdraft.inference.batch import check_batch_fits
 
     policy = legacy_policy(speculation=speculation) or policy
     if isinstance(target, str):

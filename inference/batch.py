@@ -39,6 +39,7 @@ from selfdraft.errors import SelfdraftError
 from selfdraft.heads.target_layers import TargetLayers
 from selfdraft.inference.session import StepOutput
 from selfdraft.inference.tree import DraftTree, TreeBuffers
+from selfdraft.machine import available_host_bytes
 
 
 class BatchSession:
@@ -193,3 +194,34 @@ class BatchSession:
         positions = self.positions.index_select(0, index)
         self.positions = positions if columns is None else positions[:, columns]
         self.lengths = [self.lengths[i] for i in rows]
+
+
+def kv_bytes_per_row(model, tokens: int) -> int:
+    """Bytes of the key/value cache of one row holding ``tokens`` tokens."""
+    text = model.config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * heads * head_dim * tokens * next(model.parameters()).element_size()
+
+
+def free_bytes(device) -> int:
+    """Memory the device can still give: CUDA's free memory, else the host's MemAvailable."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    available = available_host_bytes()
+    return 1 << 62 if available is None else available  # unknown: no limit
+
+
+def check_batch_fits(model, batch: int, tokens: int, *, share: float = 0.8) -> None:
+    """Refuse, before allocating, a batch whose key/value cache (plus its logits) would take more than
+    ``share`` of the memory left on the model's device, naming the largest batch that fits."""
+    text = model.config.get_text_config()
+    row = kv_bytes_per_row(model, tokens) + 4 * tokens * text.vocab_size  # the cache, and float logits
+    budget = share * free_bytes(model.device)
+    if batch * row > budget:
+        fits = int(budget // row)
+        raise SelfdraftError(f"a batch of {batch} rows of {tokens} tokens needs about {batch * row / 2**30:.1f} GiB for its "
+                             f"key/value cache and logits, more than {share:.0%} of the {budget / share / 2**30:.1f} GiB left "
+                             f"on {model.device}; the largest batch that fits is {fits}")

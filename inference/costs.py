@@ -20,15 +20,14 @@ and a seeded sampled run is reproducible.
 
 Whether drafting pays at B depends on T(B, m) / T(B, 1): near 1 where the forward is bound by reading
 the weights (small B on a GPU: more tokens per row are almost free), growing towards m where it is bound
-by compute (large B, or a CPU). ``selfdraft costs`` prints the surface as a table and plots it. Before
-it allocates anything, a measurement checks that the largest batch's key/value cache fits the memory
-left on the device and names the largest batch that does when it does not.
+by compute (large B, or a CPU). ``selfdraft costs`` prints the surface as a table and plots it
+(inference/cost_report.py). Before it allocates anything, a measurement checks that the largest batch's
+key/value cache fits the memory left on the device (:func:`~selfdraft.inference.batch.check_batch_fits`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import pathlib
@@ -40,7 +39,7 @@ from typing import Callable
 
 from selfdraft.errors import SelfdraftError
 from selfdraft.files import cache_root, write_atomic
-from selfdraft.machine import available_host_bytes, describe
+from selfdraft.machine import describe
 
 COST_CONTEXT = 256
 """Tokens already in the cache when a cost is measured (a typical mid-answer context)."""
@@ -134,43 +133,13 @@ def _interpolate(xs, ys, x: float) -> float:
     raise AssertionError("unreachable: xs are increasing")
 
 
-def kv_bytes_per_row(model, tokens: int) -> int:
-    """Bytes of the key/value cache of one row holding ``tokens`` tokens."""
-    text = model.config.get_text_config()
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * heads * head_dim * tokens * next(model.parameters()).element_size()
-
-
-def free_bytes(device) -> int:
-    """Memory the device can still give: CUDA's free memory, else the host's MemAvailable."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    available = available_host_bytes()
-    return 1 << 62 if available is None else available  # unknown: no limit
-
-
-def check_batch_fits(model, batch: int, tokens: int, *, share: float = 0.8) -> None:
-    """Refuse, before allocating, a batch whose key/value cache (plus its logits) would take more than
-    ``share`` of the memory left on the model's device, naming the largest batch that fits."""
-    text = model.config.get_text_config()
-    row = kv_bytes_per_row(model, tokens) + 4 * tokens * text.vocab_size  # the cache, and float logits
-    budget = share * free_bytes(model.device)
-    if batch * row > budget:
-        fits = int(budget // row)
-        raise SelfdraftError(f"a batch of {batch} rows of {tokens} tokens needs about {batch * row / 2**30:.1f} GiB for its "
-                             f"key/value cache and logits, more than {share:.0%} of the {budget / share / 2**30:.1f} GiB left "
-                             f"on {model.device}; the largest batch that fits is {fits}")
-
-
 def measure_cost_surface(target, batch_sizes, tokens, *, context: int = COST_CONTEXT, reps: int = 5) -> CostSurface:
     """Time the target's forward over B rows x m new tokens after ``context`` cached tokens per row, for
     every B in ``batch_sizes`` and m in ``tokens`` (median of ``reps`` after one warm-up; random ids)."""
     import torch
 
     from selfdraft.heads.target_layers import TargetLayers
+    from selfdraft.inference.batch import check_batch_fits
 
     model = target.model
     text = model.config.get_text_config()
@@ -341,27 +310,4 @@ def batch_draft_cost(target, drafter, batch_sizes) -> Callable[[int], float]:
     return lambda rows: one + (rows - 1) * per_row
 
 
-def plot_cost_surface(surface: CostSurface, path: str | os.PathLike) -> pathlib.Path:
-    """A PNG: T(B, m) / T(B, 1) against m, one line per batch size (written atomically)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(6.0, 3.8))
-    FigureCanvasAgg(figure)
-    ax = figure.add_subplot()
-    for b, row in zip(surface.batch_sizes, surface.seconds):
-        ax.plot(surface.tokens, [t / row[0] for t in row], marker="o", label=f"batch {b} ({1e3 * row[0]:.0f} ms at 1)")
-    ax.plot(surface.tokens, surface.tokens, linestyle=":", color="grey", label="proportional to tokens")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("tokens per row (root + drafts)")
-    ax.set_ylabel("T(B, m) / T(B, 1)")
-    ax.set_title(f"verify cost, {surface.target} {surface.dtype} on {surface.device}", fontsize=9)
-    ax.legend(fontsize=7)
-    figure.tight_layout()
-    out = pathlib.Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    png = io.BytesIO()
-    figure.savefig(png, format="png", dpi=110)
-    write_atomic(out, png.getvalue())
-    return out
+#END

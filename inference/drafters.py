@@ -171,7 +171,7 @@ class DraftModelDrafter(Drafter):
     def __init__(self, model, tree: TreeConfig = DRAFT_MODEL_TREE, target_vocab_size: int | None = None):
         self.model = model
         self.config = tree
-        self.max_nodes = tree.max_nodes
+        self.max_nodes = tree.most_nodes
         self.vocab_size = target_vocab_size or model.config.get_text_config(decoder=True).vocab_size
 
     @classmethod

@@ -42,7 +42,6 @@ from typing import Callable, Sequence
 
 from selfdraft.configs.decode import POLICIES
 from selfdraft.errors import SelfdraftError
-from selfdraft.heads.cards import PROFILE_FILE
 from selfdraft.inference.costs import COST_TOKENS, CostSurface, pays, speedup
 from selfdraft.inference.tree import DraftTree
 
@@ -179,6 +178,8 @@ class Learnt:
     width: float = 0.0
     share: float = 0.0
     drafted: int = 0
+    settled: bool = False
+    """Whether a run finished learning (``min_drafted`` row-steps, or fewer that showed it cannot pay)."""
     interval: int = 0
     """The wait the last hopeless probe set (reset by a step that paid or came close)."""
 
@@ -196,10 +197,14 @@ class Adaptive(DraftPolicy):
     ``slack``) < (max_i R_i) T(B, 1); at one row that is E T(1, 1) > (1 - slack) (T(1, w + 1) + D(1)). The
     slack keeps a drafter that costs next to nothing (prompt lookup finding no match) on.
 
-    A run learns for ``min_drafted`` row-steps (a step of B rows is B of them): a single request on whole
-    trees (it learns its drafter's real acceptance), a batch on trees cut to :func:`cheap_nodes` (it pays
-    for every row's tree); then it follows :class:`Backoff` once drafting stops paying, its probes cut to
-    :func:`cheap_nodes`. A
+    ``most_nodes`` (the drafter's largest tree; None: no bound, for a drafter whose proposals may cost less
+    than ``draft_seconds``): at a batch size where even a step that had every draft accepted would not pay,
+    the rows never draft (a row-by-row draft model in a batch on a CPU, say).
+
+    A run learns for ``min_drafted`` row-steps (a step of B rows is B of them), or until one more step that
+    accepted everything could not make its mean pay: a single request on whole trees (it learns its
+    drafter's real acceptance), a batch on trees cut to :meth:`probe_nodes` (it pays for every row's tree);
+    then it follows :class:`Backoff` once drafting stops paying, its probes cut to :meth:`probe_nodes`. A
     later run starts from what the earlier ones learnt (:class:`Learnt`): drafting while that pays, else
     plain steps and a first probe after half the wait the last hopeless probe set (at least ``2 *
     first_wait``: a new prompt may suit the drafter better), so a drafter that never accepts costs about
@@ -209,7 +214,7 @@ class Adaptive(DraftPolicy):
 
     def __init__(self, cost: CostSurface, draft_seconds: float | Callable[[int], float], *, gate: bool = True,
                  cut: bool = True, memory: float = 0.95, slack: float = 0.03, min_drafted: int = 8,
-                 first_wait: int = 4, longest_wait: int = 64):
+                 first_wait: int = 4, longest_wait: int = 64, most_nodes: int | None = None):
         if not 0.0 <= slack < 1.0:
             raise SelfdraftError(f"slack must be in [0, 1), got {slack}")
         if not 0.0 <= memory < 1.0:
@@ -223,24 +228,30 @@ class Adaptive(DraftPolicy):
         self.draft_seconds = draft_seconds if callable(draft_seconds) else (lambda rows, d=float(draft_seconds): rows * d)
         self.gate, self.cut = gate, cut
         self.memory, self.slack, self.min_drafted = memory, slack, min_drafted
-        self.first_wait, self.longest_wait = first_wait, longest_wait
+        self.first_wait, self.longest_wait, self.most_nodes = first_wait, longest_wait, most_nodes
         self.learnt = Learnt()
         self.last: AdaptiveRun | None = None
         """The latest run (its own estimates; what every run learnt is in ``learnt``)."""
-        self._cheap: dict[int, int] = {}
+        self._probe: dict[int, int] = {}
         if not gate:
             self.name = "cut"
 
-    def cheap(self, rows: int) -> int:
-        if rows not in self._cheap:
-            self._cheap[rows] = cheap_nodes(self.cost, rows)
-        return self._cheap[rows]
+    def probe_nodes(self, rows: int) -> int:
+        """The draft nodes per row a batch's learning steps and every probe verify at ``rows`` rows: the
+        cheap ones (:func:`cheap_nodes`), or the fewest that could pay if every draft were accepted where
+        those could not; 0 where no tree of at most ``most_nodes`` nodes could (the rows never draft)."""
+        if rows not in self._probe:
+            cheap, plain, spent = cheap_nodes(self.cost, rows), self.cost(rows, 1), self.draft_seconds(rows)
+            could = [k for k in range(1, (self.most_nodes or 0) + 1)
+                     if pays(k + 1.0, self.cost(rows, k + 1) + spent, plain, self.slack)]
+            self._probe[rows] = cheap if self.most_nodes is None else max(cheap, could[0]) if could else 0
+        return self._probe[rows]
 
     def probe_cost(self, rows: int) -> float:
         """What a probe at ``rows`` rows costs beyond a plain step, in plain steps: its proposals and the
-        verification of the cheap nodes."""
+        verification of its nodes."""
         plain = self.cost(rows, 1)
-        return (self.draft_seconds(rows) + self.cost(rows, self.cheap(rows) + 1) - plain) / plain
+        return (self.draft_seconds(rows) + self.cost(rows, max(self.probe_nodes(rows), 1) + 1) - plain) / plain
 
     def run(self, rows: int) -> "AdaptiveRun":
         self.last = AdaptiveRun(self, rows)
@@ -255,6 +266,7 @@ class AdaptiveRun(PolicyRun):
         self.tokens = self.width = 0.0  # running means: tokens a row emits, widest verified tree, per drafted step
         self.share = 1.0  # running mean of the share of D(B) a drafted step spent
         self.drafted = self.samples = 0  # drafted steps, drafted row-steps
+        self.widest = 0  # the widest tree a step verified
         self.row_tokens: dict[int, float] = {}
         self.row_drafted: dict[int, int] = {}
         self.rows_left: list[tuple[int, int]] = []
@@ -263,7 +275,7 @@ class AdaptiveRun(PolicyRun):
         self.prior = 0  # the drafted steps a row's own mean starts from (the learnt mean's weight)
         self.learn_whole = rows == 1  # one request learns on whole trees; a batch on cheap ones
         learnt = p.learnt
-        if learnt.drafted >= p.min_drafted:
+        if learnt.settled:
             self.tokens, self.width, self.share = learnt.tokens, learnt.width, learnt.share
             self.drafted = self.samples = self.prior = p.min_drafted
             if not self.pays(rows):
@@ -289,6 +301,12 @@ class AdaptiveRun(PolicyRun):
         tokens, cost, plain = self._step(rows)
         return pays(tokens, cost, plain, self.policy.slack)
 
+    def could_pay(self, rows: int) -> bool:
+        """Would the running mean pay after one more drafted step that had every draft accepted?"""
+        tokens, cost, plain = self._step(rows)
+        best = (tokens * self.drafted + self.widest + 1) / (self.drafted + 1)
+        return pays(best, cost, plain, self.policy.slack)
+
     def hopeless(self, rows: int) -> bool:
         """Do drafted steps bring less than half the extra tokens they would need to pay?"""
         tokens, cost, plain = self._step(rows)
@@ -300,11 +318,14 @@ class AdaptiveRun(PolicyRun):
         rows, p = len(ids), self.policy
         if not p.gate:
             return None
+        probe = p.probe_nodes(rows)
+        if probe == 0:  # no tree of the drafter's could pay at this batch size
+            return 0
         if self.learning():
-            return None if self.learn_whole else p.cheap(rows)
+            return None if self.learn_whole else probe
         if self.pays(rows):
             return None
-        return p.cheap(rows) if self.backoff.probe() else 0
+        return probe if self.backoff.probe() else 0
 
     def verify(self, trees, draft_seconds):
         p = self.policy
@@ -330,6 +351,7 @@ class AdaptiveRun(PolicyRun):
         self.tokens += w * (mean - self.tokens)
         self.width += w * (width - self.width)
         self.share += w * (share - self.share)
+        self.widest = max(self.widest, width)
         for i, e in zip(ids, emitted):  # a row's mean starts from what earlier runs learnt, if they did
             n = self.row_drafted[i] = self.row_drafted.get(i, self.prior) + 1
             before = self.row_tokens.get(i, prior_tokens if self.prior else e)
@@ -342,6 +364,9 @@ class AdaptiveRun(PolicyRun):
         learnt.tokens += w * (mean - learnt.tokens)
         learnt.width += w * (width - learnt.width)
         learnt.share += w * (share - learnt.share)
+        if self.learning() and not self.could_pay(rows):  # more learning could not show that it pays
+            self.samples = p.min_drafted
+        learnt.settled = learnt.settled or not self.learning()
         pays_now = self.learning() or self.pays(rows)
         hopeless = not pays_now and not paid_before and self.hopeless(rows)
         self.backoff.learn(paid_before, pays_now, hopeless)
@@ -367,28 +392,6 @@ class _ProfileRun(PolicyRun):
 
     def plan(self, ids, remaining):
         return self.budget(len(ids))
-
-
-def read_profile(folder) -> dict | None:
-    """The ``speculation_profile.json`` of a drafter folder (native or exported; inference/speculation.py
-    writes it), or None without one."""
-    import json
-    import pathlib
-
-    path = pathlib.Path(folder) / PROFILE_FILE
-    if not path.is_file():
-        return None
-    try:
-        profile = json.loads(path.read_text(encoding="utf-8"))
-        entries = sorted((int(e["batch"]), int(e["tokens"])) for e in profile["schedule"])
-        surface = profile["cost_surface"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise SelfdraftError(f"{path} is not a speculation profile selfdraft can read ({err}); rewrite it with "
-                             "`selfdraft costs --drafter FOLDER`, or delete it to decode without a schedule") from err
-    if not entries or entries[0][0] != 1:
-        raise SelfdraftError(f"{path}: its schedule must start at batch size 1, it starts at {entries[:1]}; rewrite it "
-                             "with `selfdraft costs --drafter FOLDER`")
-    return {**profile, "entries": entries, "surface": surface}
 
 
 def schedule_budget(profile: dict, target) -> Callable[[int], int]:
@@ -425,12 +428,15 @@ def policy_for(target, drafter, name: str = "auto", *, folder: str | None = None
     rows: this machine's cost surface (measured once and cached) and the drafter's measured proposal cost;
     ``folder``: the drafter folder, whose speculation profile ``profile`` (and ``auto`` for a batch) follows."""
     from selfdraft.inference.costs import batch_draft_cost, cost_sizes, cost_surface
+    from selfdraft.inference.drafters import Drafter
 
     if name not in POLICIES:
         raise SelfdraftError(f"unknown drafting policy {name!r}; choose one of {', '.join(POLICIES)}")
     if name == "fixed" or drafter.max_nodes <= 0:
         return FIXED
     wanted = name == "profile" or (name == "auto" and rows > 1)
+    from selfdraft.inference.cost_report import read_profile
+
     profile = read_profile(folder) if folder is not None and wanted else None
     if name == "profile" and profile is None:
         raise SelfdraftError(f"policy 'profile' needs a drafter folder with a speculation profile; {folder or drafter.name} "
@@ -442,27 +448,8 @@ def policy_for(target, drafter, name: str = "auto", *, folder: str | None = None
     else:
         batches = tuple(sorted({1, 4, 16} | ({rows} if rows > 16 else set())))
         tokens = tuple(sorted({1, 2, 4, 8, 16, 32} | ({drafter.max_nodes + 1} if drafter.max_nodes >= 32 else set())))
-    return Adaptive(cost_surface(target, batches, tokens), batch_draft_cost(target, drafter, batches), gate=name != "cut")
-
-
-def legacy_policy(adaptive: str | None = None, schedule: str | None = None, speculation: str | None = None) -> str | None:
-    """The policy the options of the previous release (``adaptive``, ``schedule``, ``speculation``) mean,
-    with a warning that names it; None when none was given."""
-    if adaptive is None and schedule is None and speculation is None:
-        return None
-    for option, value, allowed in (("adaptive", adaptive, ("on", "off")), ("schedule", schedule, ("confidence", "off")),
-                                   ("speculation", speculation, ("auto", "off"))):
-        if value is not None and value not in allowed:
-            raise SelfdraftError(f"unknown {option} {value!r}; choose one of {', '.join(allowed)} (or better, a drafting "
-                                 f"policy: {', '.join(POLICIES)})")
-    if speculation == "off" or (adaptive == "off" and schedule == "off"):
-        name = "fixed"
-    elif adaptive == "off":
-        name = "cut"
-    else:
-        name = "auto"
-    given = ", ".join(f"{k}={v!r}" for k, v in (("adaptive", adaptive), ("schedule", schedule), ("speculation", speculation))
-                      if v is not None)
-    logger.warning("%s: these options are replaced by the drafting policy; this is policy=%r (--policy %s), which "
-                   "the next release will require", given, name, name)
-    return name
+    # A drafter whose proposal may cost less than its measured cost (a hybrid resting its drafter) gets no
+    # bound from its most expensive proposal.
+    varies = type(drafter).step_seconds is not Drafter.step_seconds
+    return Adaptive(cost_surface(target, batches, tokens), batch_draft_cost(target, drafter, batches), gate=name != "cut",
+                    most_nodes=None if varies else drafter.max_nodes)

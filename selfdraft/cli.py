@@ -34,13 +34,14 @@ def _add_generate(sub) -> None:
         help="decode a prompt (or a batch of them) with a drafter and report the acceptance length",
         description="Decode one prompt, or several as one batch. Greedy output (the default, temperature 0) is token-identical to the "
         "target's own greedy output in fp32; sampling keeps the target's distribution exactly.",
+        epilog=_trained_kinds,
     )
     p.add_argument("--target", default="smollm2-135m", help="built-in name, local HF folder or hub name (default: %(default)s)")
     from selfdraft.inference.drafter_specs import drafter_specs
 
     untrained = "; ".join(f"{entry.usage} ({entry.help})" for entry in drafter_specs())
-    p.add_argument("--drafter", default="none", help=f"{untrained}; or a drafter folder: native (any trained kind) or an "
-                   "engine export selfdraft reads (default: %(default)s)")
+    p.add_argument("--drafter", default="none", help=f"{untrained}; or a drafter folder: native (any trained kind: the "
+                   "list below) or an engine export selfdraft reads (default: %(default)s)")
     p.add_argument("--prompt", required=True, action="append",
                    help="the prompt text; give it several times to decode the prompts as one batch (one target forward "
                    "per step for all of them, each row exact as alone)")
@@ -131,7 +132,7 @@ def _legacy_flags(group) -> None:
 
 def _policy(args) -> str:
     """--policy, or what the previous release's flags given instead of it mean (with a warning)."""
-    from selfdraft.inference.policy import legacy_policy
+    from selfdraft.configs.decode import legacy_policy
 
     return legacy_policy(getattr(args, "adaptive", None), getattr(args, "schedule", None),
                          getattr(args, "speculation", None)) or args.policy
@@ -168,11 +169,38 @@ def _generate_batch(args, target, tree) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose epilog may be a function, called only when the help is shown: the lists of
+    kinds and formats come from the registry, whose kinds import torch, which a command line that only asks
+    for ``--version`` should not wait for."""
+
+    def format_help(self) -> str:
+        if callable(self.epilog):
+            self.epilog = self.epilog()
+        return super().format_help()
+
+
+def _kinds_and_formats() -> str:
+    """What each registered kind writes (from the registry: a kind added at run time is listed too)."""
+    from selfdraft.heads.kinds import registered
+
+    lines = [f"  {name}: native, {', '.join(w.format for w in kind.writers) or '(no engine layout)'}"
+             for name, kind in registered().items()]
+    return "formats by drafter kind:\n" + "\n".join(lines)
+
+
+def _trained_kinds() -> str:
+    from selfdraft.heads.kinds import registered
+
+    return f"trained drafter kinds (registered): {', '.join(registered())}"
+
+
 def _add_export(sub) -> None:
     p = sub.add_parser("export", help="write a trained drafter in selfdraft's native layout or a serving engine's",
                        description="Write a trained drafter for a serving engine (with a README.md model card and the "
                        "command that serves it), or as selfdraft's native folder. A drafter the engine cannot load as "
-                       "trained is refused with the reason; nothing is written then.")
+                       "trained is refused with the reason; nothing is written then.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_kinds_and_formats)
     p.add_argument("drafter", help="a training run folder (its drafter/, else its latest checkpoint), a checkpoint folder "
                    "or a native drafter folder")
     p.add_argument("--format", required=True,
@@ -462,7 +490,8 @@ def _run_costs(args) -> int:
 
     from selfdraft.files import write_atomic
     from selfdraft.heads.target import load_target
-    from selfdraft.inference.costs import cost_surface, plot_cost_surface
+    from selfdraft.inference.cost_report import plot_cost_surface
+    from selfdraft.inference.costs import cost_surface
 
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     surface = cost_surface(target, args.batch_sizes, args.tokens)
@@ -474,7 +503,7 @@ def _run_costs(args) -> int:
     print(surface.table())
     print(f"\nwritten: {out / 'costs.json'}, {plot}")
     if args.drafter:
-        from selfdraft.inference.speculation import write_drafter_profile
+        from selfdraft.inference.cost_report import write_drafter_profile
 
         profile, table, written = write_drafter_profile(args.drafter, target, surface, out)
         print(f"\nspeculation schedule of {args.drafter} (held-out acceptance by position "
@@ -491,7 +520,7 @@ def _run_costs(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from selfdraft import __version__
 
-    parser = argparse.ArgumentParser(prog="selfdraft", description="Self-drafting heads and exact speculative decoding.")
+    parser = _Parser(prog="selfdraft", description="Self-drafting heads and exact speculative decoding.")
     parser.add_argument("--version", action="version", version=f"selfdraft {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)

@@ -87,6 +87,26 @@ def test_a_drafter_close_to_paying_is_probed_often_and_a_cheap_one_stays_on():
     assert simulate(cheap, lambda i: 0, 300) == list(range(300))
 
 
+def test_a_drafter_that_cannot_pay_stops_learning_early_and_never_drafts_where_nothing_could_pay():
+    """A proposal of 1.5 plain steps: a chain of 4 pays only above 2.7 tokens a step. After one step that
+    accepted nothing, one more that accepted everything could still make the mean pay (3 tokens); after two
+    it could not (2.33), so learning stops there, not after min_drafted steps, and a later request does not
+    learn again. Drafting chains of 4 for 4 rows one by one at 3 s a row against a 2 s plain step of 4 rows
+    could not pay even if every draft were accepted (5 tokens a row for 7 plain steps): the batch never
+    drafts, not even to learn; alone (5 tokens for about 4 plain steps) it could."""
+    costly = Adaptive(linear_cost(), 1.5, most_nodes=4)
+    drafted = simulate(costly, lambda i: 0, 200)
+    assert drafted[:2] == [0, 1] and drafted[2] > 8 and len(drafted) < 8, drafted
+    assert costly.learnt.settled and simulate(costly, lambda i: 0, 40) == []  # the next one waits first
+    surface = CostSurface(batch_sizes=(1, 4), tokens=(1, 16), seconds=((1.0, 1.1), (2.0, 2.2)), target="toy",
+                          dtype="float32", device="cpu", context=256, machine={})
+    row_by_row = Adaptive(surface, 3.0, most_nodes=4)
+    assert row_by_row.probe_nodes(4) == 0 and row_by_row.probe_nodes(1) > 0
+    run = row_by_row.run(4)
+    assert all(run.plan(range(4), [40] * 4) == 0 for _ in range(300))
+    assert Adaptive(surface, 3.0).probe_nodes(4) > 0  # no bound without the drafter's largest tree
+
+
 def test_bad_throttle_settings_and_modes_are_refused():
     with pytest.raises(SelfdraftError, match="memory"):
         Adaptive(linear_cost(), 0.1, memory=1.0)

@@ -289,7 +289,7 @@ def test_generate_batch_on_a_real_tokenizer_follows_the_drafters_schedule(tiny_t
 
     from selfdraft.heads.target import load_target
     from selfdraft.inference.api import generate, generate_batch
-    from selfdraft.inference.speculation import PROFILE_FILE
+    from selfdraft.heads.cards import PROFILE_FILE
 
     target = load_target(str(tiny_target))
     prompts = ["def add(a, b):", "The capital of France is", "1, 2, 3, 4,"]
@@ -299,7 +299,8 @@ def test_generate_batch_on_a_real_tokenizer_follows_the_drafters_schedule(tiny_t
         assert (result.token_ids, result.text, result.target_forwards) == (alone.token_ids, alone.text, alone.target_forwards)
     # A drafter folder's profile (what generate_batch reads for policy="auto"): 2 drafts at batch 1,
     # none from batch 2 on; batched_decode's use of such a budget is the node-budget test above.
-    from selfdraft.inference.policy import read_profile, schedule_budget
+    from selfdraft.inference.cost_report import read_profile
+    from selfdraft.inference.policy import schedule_budget
 
     folder = tmp_path / "drafter"
     folder.mkdir()

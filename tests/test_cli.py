@@ -125,3 +125,29 @@ def test_device_cuda_without_cuda_is_a_clear_error_in_every_command(tmp_path):
         proc = cli(*args, "--device", "cuda", timeout=120)
         assert_clean_error(proc, "CUDA is not available here")
         assert not (tmp_path / "q" / "run").exists()
+
+
+def test_the_help_lists_the_kinds_and_formats_the_registry_holds(capsys):
+    """`export --help` and `generate --help` list every registered kind (and what each writes) from the
+    registry, a kind registered at run time included; `selfdraft --version` imports no kind."""
+    import dataclasses
+
+    from selfdraft.cli import main
+    from selfdraft.heads.kinds import get_kind, register, registered, unregister
+
+    toy = dataclasses.replace(get_kind("eagle3"), name="toy-kind")
+    register(toy)
+    try:
+        for command in (["export", "--help"], ["generate", "--help"]):
+            with pytest.raises(SystemExit):
+                main(command)
+            out = capsys.readouterr().out
+            assert all(name in out for name in registered()) and "toy-kind" in out, out
+        with pytest.raises(SystemExit):
+            main(["export", "--help"])
+        assert "  toy-kind: native, " + ", ".join(w.format for w in toy.writers) in capsys.readouterr().out
+    finally:
+        unregister("toy-kind")
+    code = ("import sys; from selfdraft.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
+            "assert 'selfdraft.heads.kinds' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).returncode == 0

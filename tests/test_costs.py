@@ -10,7 +10,9 @@ import pytest
 
 from selfdraft.cli import main
 from selfdraft.errors import SelfdraftError
+from selfdraft.inference import batch
 from selfdraft.inference import costs as cs
+from selfdraft.inference.cost_report import plot_cost_surface
 
 
 def toy(seconds=((1.0, 1.0, 2.0), (2.0, 3.0, 6.0))):
@@ -42,7 +44,7 @@ def test_measured_once_cached_and_plotted(tiny_target, tmp_path, monkeypatch):
     assert all(0 < a <= b for row in surface.seconds for a, b in zip(row, row[1:]))  # never falls with m
     monkeypatch.setattr(cs, "measure_cost_surface", lambda *a, **k: pytest.fail("measured twice"))
     assert cs.cost_surface(target, [1, 2], [1, 2, 4]) == surface
-    png = cs.plot_cost_surface(surface, tmp_path / "plot" / "costs.png")
+    png = plot_cost_surface(surface, tmp_path / "plot" / "costs.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -50,8 +52,8 @@ def test_a_batch_beyond_memory_is_refused_before_allocation(tiny_target, monkeyp
     from selfdraft.heads.target import load_target
 
     target = load_target(str(tiny_target))
-    row = cs.kv_bytes_per_row(target.model, 260) + 4 * 260 * target.model.config.vocab_size
-    monkeypatch.setattr(cs, "free_bytes", lambda device: int(10.5 * row / 0.8))  # room for 10 rows
+    row = batch.kv_bytes_per_row(target.model, 260) + 4 * 260 * target.model.config.vocab_size
+    monkeypatch.setattr(batch, "free_bytes", lambda device: int(10.5 * row / 0.8))  # room for 10 rows
     with pytest.raises(SelfdraftError, match="the largest batch that fits is 10"):
         cs.measure_cost_surface(target, [1, 64], [4])
 

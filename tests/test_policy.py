@@ -125,7 +125,7 @@ def test_the_previous_releases_options_say_which_policy_they_mean(caplog):
     import subprocess
     import sys
 
-    from selfdraft.inference.policy import legacy_policy
+    from selfdraft.configs.decode import legacy_policy
 
     assert legacy_policy() is None
     with caplog.at_level(logging.WARNING):

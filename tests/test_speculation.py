@@ -13,13 +13,8 @@ from selfdraft.cli import main
 from selfdraft.errors import SelfdraftError
 from selfdraft.inference.costs import CostSurface
 from selfdraft.heads.cards import sglang_adaptive_config
-from selfdraft.inference.speculation import (
-    ScheduleEntry,
-    expected_tokens,
-    off_above,
-    plan_schedule,
-    vllm_ranges,
-)
+from selfdraft.inference.cost_report import off_above, vllm_ranges
+from selfdraft.inference.speculation import ScheduleEntry, expected_tokens, plan_schedule
 
 
 def test_expected_tokens():

@@ -116,7 +116,7 @@ def run_batch_bench(target, methods: str | Sequence[str], tasks: str | Sequence[
     pays by the measured costs; ``fixed``, the drafter's tree every step."""
     from selfdraft.configs.decode import POLICIES
     from selfdraft.inference.api import encode_prompt
-    from selfdraft.inference.costs import check_batch_fits
+    from selfdraft.inference.batch import check_batch_fits
     from selfdraft.machine import describe
 
     sizes = sorted(set(int(b) for b in batch_sizes))

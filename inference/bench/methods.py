@@ -50,7 +50,7 @@ _POLICY_OPTION = {
 
 def _take_policy(options: dict) -> str | None:
     """Pop the policy options from a method's ``options``: the policy named, or None (the bench's)."""
-    from selfdraft.inference.policy import legacy_policy
+    from selfdraft.configs.decode import legacy_policy
 
     adaptive, schedule = options.pop("adaptive", None), options.pop("schedule", None)
     policy = options.pop("policy", None)

@@ -70,7 +70,7 @@ class EagleTreeDrafter(Drafter):
 
     def __init__(self, drafter: Eagle1Head | Eagle3Head, target_model, tree: TreeConfig = TreeConfig()):
         self.config = tree
-        self.max_nodes = tree.max_nodes
+        self.max_nodes = tree.most_nodes
         text = target_model.config.get_text_config()
         kind = drafter.dims.KIND_FIELD
         if drafter.hidden_size != text.hidden_size or drafter.vocab_size != text.vocab_size:
