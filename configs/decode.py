@@ -41,7 +41,6 @@ def legacy_policy(adaptive: str | None = None, schedule: str | None = None, spec
     return name
 
 
-
 @dataclass(frozen=True)
 class DecodeConfig:
     """Sampling and stopping for one generation."""

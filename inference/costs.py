@@ -308,6 +308,3 @@ def batch_draft_cost(target, drafter, batch_sizes) -> Callable[[int], float]:
     most = max(batch_sizes)
     per_row = max(draft_cost(target, drafter, rows=most) - one, 0.0) / (most - 1) if most > 1 else 0.0
     return lambda rows: one + (rows - 1) * per_row
-
-
-#END

@@ -241,10 +241,13 @@ class Adaptive(DraftPolicy):
         cheap ones (:func:`cheap_nodes`), or the fewest that could pay if every draft were accepted where
         those could not; 0 where no tree of at most ``most_nodes`` nodes could (the rows never draft)."""
         if rows not in self._probe:
-            cheap, plain, spent = cheap_nodes(self.cost, rows), self.cost(rows, 1), self.draft_seconds(rows)
-            could = [k for k in range(1, (self.most_nodes or 0) + 1)
-                     if pays(k + 1.0, self.cost(rows, k + 1) + spent, plain, self.slack)]
-            self._probe[rows] = cheap if self.most_nodes is None else max(cheap, could[0]) if could else 0
+            cheap = cheap_nodes(self.cost, rows)
+            if self.most_nodes is not None:
+                plain, spent = self.cost(rows, 1), self.draft_seconds(rows)
+                fewest = next((k for k in range(1, self.most_nodes + 1)
+                               if pays(k + 1.0, self.cost(rows, k + 1) + spent, plain, self.slack)), None)
+                cheap = 0 if fewest is None else max(cheap, fewest)
+            self._probe[rows] = cheap
         return self._probe[rows]
 
     def probe_cost(self, rows: int) -> float:
@@ -427,6 +430,7 @@ def policy_for(target, drafter, name: str = "auto", *, folder: str | None = None
     """The policy ``name`` (:data:`POLICIES`) for ``drafter`` with ``target``, for batches of up to ``rows``
     rows: this machine's cost surface (measured once and cached) and the drafter's measured proposal cost;
     ``folder``: the drafter folder, whose speculation profile ``profile`` (and ``auto`` for a batch) follows."""
+    from selfdraft.inference.cost_report import read_profile
     from selfdraft.inference.costs import batch_draft_cost, cost_sizes, cost_surface
     from selfdraft.inference.drafters import Drafter
 
@@ -435,8 +439,6 @@ def policy_for(target, drafter, name: str = "auto", *, folder: str | None = None
     if name == "fixed" or drafter.max_nodes <= 0:
         return FIXED
     wanted = name == "profile" or (name == "auto" and rows > 1)
-    from selfdraft.inference.cost_report import read_profile
-
     profile = read_profile(folder) if folder is not None and wanted else None
     if name == "profile" and profile is None:
         raise SelfdraftError(f"policy 'profile' needs a drafter folder with a speculation profile; {folder or drafter.name} "

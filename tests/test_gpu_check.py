@@ -2,7 +2,6 @@
 own with the packages the device machine lacks hidden (datasets, wandb, deepspeed, gguf), from the assets
 folder a device run carries; its report holds every section's figures."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -18,13 +17,11 @@ pytestmark = pytest.mark.slow  # every test of the GPU check on the CPU: minutes
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory, embedded_fp32):
-    """One smoke run: the assets written as `scripts/gpu_check.sh prepare` writes them, then `pytest -m gpu
+    """One smoke run: the assets written by the script `scripts/gpu_check.sh prepare` runs, then `pytest -m gpu
     tests/gpu` with SELFDRAFT_GPU_SMOKE=1 and the blocker on PYTHONPATH."""
-    spec = importlib.util.spec_from_file_location("gpu_assets", GPU / "assets.py")
-    assets = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(assets)
     root = tmp_path_factory.mktemp("gpu_check")
-    assets.prepare(root / "assets")
+    subprocess.run([sys.executable, str(GPU / "assets.py"), str(root / "assets")], check=True, cwd=REPO, timeout=300,
+                   env=dict(os.environ, HF_HUB_OFFLINE="1"))
     env = dict(os.environ, HF_HUB_OFFLINE="1", SELFDRAFT_GPU_SMOKE="1", SELFDRAFT_GPU_ASSETS=str(root / "assets"),
                SELFDRAFT_GPU_REPORT=str(root / "out" / "gpu_check.json"),
                PYTHONPATH=os.pathsep.join([str(GPU / "blocker"), os.environ.get("PYTHONPATH", "")]))
